@@ -1,0 +1,1 @@
+"""qnn_convbwd"""

@@ -1,0 +1,208 @@
+/*
+ * qnn_convbwd HTP compatibility shim.
+ *
+ * Loaded by executorch under the name libQnnHtp.so. It forwards
+ * QnnInterface_getProviders to the real QAIRT HTP library (path fixed at build
+ * time, QNN_CONVBWD_REAL_HTP) and replaces the provider's deviceCreate entry
+ * with one that rewrites executorch 1.5.1's HTP device custom configs into the
+ * layout of the loaded QAIRT release.
+ *
+ * Why: the HTP device custom config is {uint32 option; union payload}. Newer
+ * QAIRT releases added a pointer-sized member to that union, which moved the
+ * payload from byte offset 4 to byte offset 8. A client built against the old
+ * headers (executorch 1.5.1) writes the payload at 4; the new library reads it
+ * at 8, sees garbage and fails device creation ("unknown custom config socModel
+ * 0", error 14001).
+ *
+ * Build flags:
+ *   -DQNN_CONVBWD_REAL_HTP="/abs/path/libQnnHtp.so"   (required)
+ *   -DQNN_CONVBWD_PAYLOAD_SHIFT=4   bytes the payload moves (0 = pass through)
+ * Link with -Wl,-soname,libQnnHtp.so -Wl,-z,nodelete so that a later
+ * dlopen("libQnnHtp.so") resolves to this object, never to the real library.
+ *
+ * Set QNN_CONVBWD_SHIM_TRACE=1 to log every custom config it sees to stderr.
+ *
+ * Only layout facts from the public QNN API are used here; no QNN header is
+ * included or copied.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef QNN_CONVBWD_REAL_HTP
+#error "QNN_CONVBWD_REAL_HTP must name the real libQnnHtp.so"
+#endif
+#ifndef QNN_CONVBWD_PAYLOAD_SHIFT
+#define QNN_CONVBWD_PAYLOAD_SHIFT 4
+#endif
+
+typedef uint64_t qnn_status_t;
+typedef qnn_status_t (*get_providers_fn)(const void ***providers, uint32_t *count);
+typedef qnn_status_t (*device_create_fn)(void *logger, const void **configs, void **device);
+typedef qnn_status_t (*graph_create_fn)(void *context, const char *name, const void **configs,
+                                        void **graph);
+
+/* QnnInterface_t: uint32 backendId, (pad), const char *providerName,
+ * Qnn_ApiVersion_t (two 3 x uint32 versions) -> function table at byte 40. */
+#define INTERFACE_TABLE_OFFSET 40
+#define SLOT_GRAPH_CREATE 15
+#define SLOT_DEVICE_CREATE 40
+
+/* QnnDevice_Config_t / QnnGraph_Config_t: uint32 option, union at byte 8.
+ * option 0 is QNN_*_CONFIG_OPTION_CUSTOM, whose union member is a pointer. */
+#define CONFIG_OPTION_CUSTOM 0
+#define CONFIG_UNION_OFFSET 8
+
+/* Size of the rewritten HTP custom config we hand to the library: larger than
+ * any layout of the struct, zero-filled beyond the payload. */
+#define NEW_CUSTOM_CONFIG_BYTES 64
+/* Payload bytes copied from the old layout. The old union's largest member
+ * used by executorch (arch: uint32 deviceId + uint32 arch) is 8 bytes. */
+#define OLD_PAYLOAD_BYTES 8
+#define MAX_CONFIGS 64
+
+static device_create_fn real_device_create;
+static graph_create_fn real_graph_create;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static int tracing = -1;
+
+static int trace_enabled(void) {
+  if (tracing < 0) {
+    const char *v = getenv("QNN_CONVBWD_SHIM_TRACE");
+    tracing = (v != NULL && v[0] != '\0' && v[0] != '0');
+  }
+  return tracing;
+}
+
+static void trace_bytes(const char *what, const void *p, size_t n) {
+  if (!trace_enabled()) return;
+  const unsigned char *b = (const unsigned char *)p;
+  fprintf(stderr, "[qnn_convbwd shim] %s:", what);
+  for (size_t i = 0; i < n; ++i) fprintf(stderr, "%s%02x", (i % 4 == 0) ? " " : "", b[i]);
+  fprintf(stderr, "\n");
+}
+
+static uint32_t read_u32(const void *base, size_t offset) {
+  uint32_t v;
+  memcpy(&v, (const char *)base + offset, sizeof v);
+  return v;
+}
+
+static const void *read_ptr(const void *base, size_t offset) {
+  const void *v;
+  memcpy(&v, (const char *)base + offset, sizeof v);
+  return v;
+}
+
+static qnn_status_t shim_device_create(void *logger, const void **configs, void **device) {
+  if (configs == NULL || QNN_CONVBWD_PAYLOAD_SHIFT == 0) {
+    return real_device_create(logger, configs, device);
+  }
+  size_t n = 0;
+  while (configs[n] != NULL && n < MAX_CONFIGS) ++n;
+
+  /* Rewritten copies live on the stack for the duration of the call: the
+   * library copies what it needs during deviceCreate. */
+  unsigned char outer[MAX_CONFIGS][16];
+  unsigned char custom[MAX_CONFIGS][NEW_CUSTOM_CONFIG_BYTES];
+  const void *rewritten[MAX_CONFIGS + 1];
+  for (size_t i = 0; i < n; ++i) {
+    const void *cfg = configs[i];
+    if (read_u32(cfg, 0) != CONFIG_OPTION_CUSTOM) {
+      rewritten[i] = cfg;
+      continue;
+    }
+    const void *old_custom = read_ptr(cfg, CONFIG_UNION_OFFSET);
+    trace_bytes("device custom config (client layout)", old_custom, 4 + OLD_PAYLOAD_BYTES);
+    memset(custom[i], 0, sizeof custom[i]);
+    memcpy(custom[i], old_custom, 4); /* option */
+    memcpy(custom[i] + 4 + QNN_CONVBWD_PAYLOAD_SHIFT, (const char *)old_custom + 4,
+           OLD_PAYLOAD_BYTES);
+    trace_bytes("device custom config (library layout)", custom[i], 8 + OLD_PAYLOAD_BYTES);
+    memcpy(outer[i], cfg, sizeof outer[i]);
+    const void *p = custom[i];
+    memcpy(outer[i] + CONFIG_UNION_OFFSET, &p, sizeof p);
+    rewritten[i] = outer[i];
+  }
+  rewritten[n] = NULL;
+  return real_device_create(logger, rewritten, device);
+}
+
+static qnn_status_t shim_graph_create(void *context, const char *name, const void **configs,
+                                      void **graph) {
+  if (trace_enabled() && configs != NULL) {
+    for (size_t i = 0; configs[i] != NULL && i < MAX_CONFIGS; ++i) {
+      const void *cfg = configs[i];
+      trace_bytes("graph config", cfg, 16);
+      if (read_u32(cfg, 0) == CONFIG_OPTION_CUSTOM) {
+        trace_bytes("  graph custom config", read_ptr(cfg, CONFIG_UNION_OFFSET), 24);
+      }
+    }
+  }
+  return real_graph_create(context, name, configs, graph);
+}
+
+static int patch_slot(const void *provider, int slot, void *replacement, void **original) {
+  void **entry = (void **)((char *)provider + INTERFACE_TABLE_OFFSET) + slot;
+  if (*entry == replacement) return 0; /* already patched */
+  if (*original != NULL && *original != *entry) {
+    fprintf(stderr, "[qnn_convbwd shim] providers disagree on slot %d\n", slot);
+    return -1;
+  }
+  long page = sysconf(_SC_PAGESIZE);
+  uintptr_t start = (uintptr_t)entry & ~(uintptr_t)(page - 1);
+  if (mprotect((void *)start, (size_t)page * 2, PROT_READ | PROT_WRITE) != 0) {
+    perror("[qnn_convbwd shim] mprotect");
+    return -1;
+  }
+  *original = *entry;
+  *entry = replacement;
+  return 0;
+}
+
+__attribute__((visibility("default"))) qnn_status_t QnnInterface_getProviders(
+    const void ***providers, uint32_t *count) {
+  static get_providers_fn real_get_providers;
+  pthread_mutex_lock(&lock);
+  if (real_get_providers == NULL) {
+    void *real = dlopen(QNN_CONVBWD_REAL_HTP, RTLD_NOW | RTLD_LOCAL | RTLD_NODELETE);
+    if (real == NULL) {
+      fprintf(stderr, "[qnn_convbwd shim] cannot load %s: %s\n", QNN_CONVBWD_REAL_HTP, dlerror());
+      pthread_mutex_unlock(&lock);
+      return 1;
+    }
+    real_get_providers = (get_providers_fn)dlsym(real, "QnnInterface_getProviders");
+    if (real_get_providers == NULL) {
+      fprintf(stderr, "[qnn_convbwd shim] no QnnInterface_getProviders in %s\n",
+              QNN_CONVBWD_REAL_HTP);
+      pthread_mutex_unlock(&lock);
+      return 1;
+    }
+  }
+  qnn_status_t status = real_get_providers(providers, count);
+  if (status == 0 && providers != NULL && *providers != NULL && count != NULL) {
+    for (uint32_t i = 0; i < *count; ++i) {
+      const void *p = (*providers)[i];
+      if (patch_slot(p, SLOT_DEVICE_CREATE, (void *)shim_device_create,
+                     (void **)&real_device_create) != 0 ||
+          (trace_enabled() && patch_slot(p, SLOT_GRAPH_CREATE, (void *)shim_graph_create,
+                                         (void **)&real_graph_create) != 0)) {
+        status = 1;
+        break;
+      }
+    }
+  }
+  pthread_mutex_unlock(&lock);
+  return status;
+}
+
+/* Lets the Python side confirm which object answers to libQnnHtp.so. */
+__attribute__((visibility("default"))) const char *qnn_convbwd_shim_real_library(void) {
+  return QNN_CONVBWD_REAL_HTP;
+}

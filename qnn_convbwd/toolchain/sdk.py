@@ -1,0 +1,310 @@
+"""Find or assemble a QNN SDK root that executorch 1.5.1 can use, in this process.
+
+Order of preference:
+
+1. ``QNN_SDK_ROOT`` set by the user: used as is; the environment is not touched.
+2. Otherwise a root assembled from the ``onnxruntime-qnn`` wheel (QAIRT x86-64
+   libraries) in a user cache directory: ``<cache>/<key>/lib/x86_64-linux-clang``
+   holds links to the wheel's libraries, and its ``libQnnHtp.so`` is the
+   compatibility shim (``htp_shim.c``) when the libraries need it.
+
+The shim exists because executorch 1.5.1 writes the HTP device custom config in
+the layout of the QNN headers it was built with; QAIRT 2.47 and newer moved the
+payload of that struct from byte 4 to byte 8 (see ``htp_shim.c``). Whether a
+library needs it is decided from its build id (``SHIM_FROM_VERSION``); the
+``QNN_CONVBWD_SHIM`` variable (``auto``/``on``/``off``) overrides that.
+
+The dynamic loader reads ``LD_LIBRARY_PATH`` once, at process start, so this
+module also loads the libraries executorch later opens by bare name
+(``libQnnHtp.so``, ``libQnnSystem.so``, ``libQnnSaver.so``) by absolute path;
+a later ``dlopen`` of the bare name then finds the already loaded object by its
+SONAME. ``torch`` and executorch's adaptor must be imported first (loading
+``libQnnSystem.so`` before ``torch`` crashes the process).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import importlib.util
+import logging
+import mmap
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+HOST_LIB_DIR = Path("lib") / "x86_64-linux-clang"
+SHIM_SOURCE = Path(__file__).with_name("htp_shim.c")
+# First QAIRT release whose HTP device custom config carries the payload at byte 8.
+SHIM_FROM_VERSION = (2, 47)
+# Libraries executorch opens by bare name; loaded here by absolute path.
+PRELOAD_LIBS = ("libQnnHtp.so", "libQnnSystem.so", "libQnnSaver.so")
+WHEEL_PACKAGE = "onnxruntime_qnn"
+
+
+class SdkUnavailable(RuntimeError):
+    """No usable QNN SDK could be found or assembled; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SdkInfo:
+    root: Path
+    source: str  # "QNN_SDK_ROOT" or "onnxruntime-qnn wheel"
+    real_htp: Path  # the QAIRT libQnnHtp.so
+    build_id: str
+    shim: Optional[Path]  # compiled shim, None when not needed or disabled
+    shim_reason: str
+    shim_build_seconds: Optional[float]  # None when taken from the cache
+
+    @property
+    def lib_dir(self) -> Path:
+        return self.root / HOST_LIB_DIR
+
+    def version(self) -> tuple[int, int]:
+        return parse_version(self.build_id)
+
+
+_lock = threading.Lock()
+_active: Optional[SdkInfo] = None
+
+
+def parse_version(build_id: str) -> tuple[int, int]:
+    match = re.search(r"v?(\d+)\.(\d+)", build_id)
+    if match is None:
+        raise SdkUnavailable(f"cannot read a QAIRT version from build id {build_id!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def cache_dir() -> Path:
+    if os.environ.get("QNN_CONVBWD_CACHE"):
+        return Path(os.environ["QNN_CONVBWD_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "qnn_convbwd"
+
+
+def _wheel_lib_dir() -> Path:
+    spec = importlib.util.find_spec(WHEEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SdkUnavailable(
+            "QNN_SDK_ROOT is not set and the onnxruntime-qnn wheel is not installed "
+            "(pip install onnxruntime-qnn==2.7.0 provides the QAIRT x86-64 libraries)"
+        )
+    lib_dir = Path(list(spec.submodule_search_locations)[0])
+    missing = [n for n in ("libQnnHtp.so", "libQnnSystem.so") if not (lib_dir / n).exists()]
+    if missing:
+        raise SdkUnavailable(f"onnxruntime-qnn at {lib_dir} lacks {', '.join(missing)}")
+    return lib_dir
+
+
+def _fingerprint(*paths: Path) -> str:
+    digest = hashlib.sha256()
+    for path in paths:
+        stat = path.stat()
+        digest.update(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode())
+    digest.update(SHIM_SOURCE.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    raise SdkUnavailable("no C compiler (cc, gcc or clang) on PATH to build the HTP shim")
+
+
+def build_shim(real_htp: Path, out: Path, payload_shift: int = 4) -> float:
+    """Compile ``htp_shim.c`` against ``real_htp`` into ``out``; return seconds spent."""
+    import time
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [
+        _compiler(),
+        "-O2",
+        "-fPIC",
+        "-shared",
+        "-fvisibility=hidden",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        f'-DQNN_CONVBWD_REAL_HTP="{real_htp}"',
+        f"-DQNN_CONVBWD_PAYLOAD_SHIFT={payload_shift}",
+        "-Wl,-soname,libQnnHtp.so",
+        "-Wl,-z,nodelete",
+        "-o",
+        str(tmp),
+        str(SHIM_SOURCE),
+        "-ldl",
+        "-lpthread",
+    ]
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SdkUnavailable(f"building the HTP shim failed: {' '.join(cmd)}\n{proc.stderr}")
+    os.replace(tmp, out)  # atomic: concurrent processes never see a half-written file
+    return time.perf_counter() - start
+
+
+def read_build_id(htp_library: Path) -> str:
+    """QAIRT build id (``v2.51.0.260929181845``) embedded in an HTP library.
+
+    Read from the file rather than by loading it: loading the real library before
+    the shim would let it answer to the bare name ``libQnnHtp.so`` for the rest
+    of the process. ``doctor`` cross-checks it against the loaded library.
+    """
+    with open(htp_library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        match = re.search(rb"v(\d+)\.(\d+)\.(\d+)\.(\d{6,})\x00", m)
+        found = None if match is None else bytes(match.group(0)[:-1]).decode()
+    if found is None:
+        raise SdkUnavailable(f"{htp_library} carries no QAIRT build id")
+    return found
+
+
+def loaded_build_id(sdk: "SdkInfo") -> str:
+    """Build id as the library answering to ``libQnnHtp.so`` in this process reports it."""
+    import executorch.backends.qualcomm.python.PyQnnManagerAdaptor as adaptor
+
+    return str(adaptor.GetQnnSdkBuildId(str(sdk.lib_dir / "libQnnHtp.so")))
+
+
+def _shim_wanted(build_id: str) -> tuple[bool, str]:
+    mode = os.environ.get("QNN_CONVBWD_SHIM", "auto").lower()
+    if mode in ("off", "0", "no"):
+        return False, "disabled by QNN_CONVBWD_SHIM=off"
+    if mode in ("on", "1", "yes"):
+        return True, "forced by QNN_CONVBWD_SHIM=on"
+    if parse_version(build_id) >= SHIM_FROM_VERSION:
+        return True, (
+            f"QAIRT {build_id} >= {SHIM_FROM_VERSION[0]}.{SHIM_FROM_VERSION[1]}: HTP device "
+            "config layout differs from executorch 1.5.1's"
+        )
+    return False, f"QAIRT {build_id} uses the device config layout executorch 1.5.1 expects"
+
+
+def _link(target: Path, link: Path) -> None:
+    if link.is_symlink() or link.exists():
+        if link.is_symlink() and Path(os.readlink(link)) == target:
+            return
+        link.unlink()
+    link.symlink_to(target)
+
+
+def _assemble_from_wheel(build_id: str, wants_shim: bool) -> tuple[Path, Optional[Path], Optional[float]]:
+    wheel = _wheel_lib_dir()
+    real_htp = wheel / "libQnnHtp.so"
+    key = _fingerprint(real_htp, wheel / "libQnnSystem.so")
+    root = cache_dir() / f"sdk-{key}"
+    lib_dir = root / HOST_LIB_DIR
+    lib_dir.mkdir(parents=True, exist_ok=True)
+    for lib in wheel.glob("*.so"):
+        if lib.name == "libQnnHtp.so" and wants_shim:
+            continue
+        _link(lib, lib_dir / lib.name)
+    # The wheel's libraries find their C++ runtime through $ORIGIN/../onnxruntime_qnn.libs.
+    libs = wheel.parent / f"{WHEEL_PACKAGE}.libs"
+    if libs.is_dir():
+        _link(libs, root / "lib" / libs.name)
+    shim, seconds = None, None
+    if wants_shim:
+        shim = lib_dir / "libQnnHtp.so"
+        if shim.is_symlink():
+            shim.unlink()
+        if not shim.exists():
+            seconds = build_shim(real_htp, shim)
+            logger.info("built HTP shim %s in %.2f s", shim, seconds)
+    elif (lib_dir / "libQnnHtp.so").exists() and not (lib_dir / "libQnnHtp.so").is_symlink():
+        (lib_dir / "libQnnHtp.so").unlink()
+        _link(real_htp, lib_dir / "libQnnHtp.so")
+    return root, shim, seconds
+
+
+def _shim_for_user_sdk(real_htp: Path) -> tuple[Path, Optional[float]]:
+    key = _fingerprint(real_htp)
+    shim = cache_dir() / f"shim-{key}" / "libQnnHtp.so"
+    seconds = None if shim.exists() else build_shim(real_htp, shim)
+    return shim, seconds
+
+
+def _import_torch_and_adaptor() -> None:
+    # Order matters: torch before any QNN library, the adaptor before the preloads.
+    import torch  # noqa: F401
+    import executorch.backends.qualcomm.python.PyQnnManagerAdaptor  # noqa: F401
+
+
+def _preload(paths: list[Path]) -> None:
+    for path in paths:
+        if path.exists():
+            ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+
+
+def _prepend_env(name: str, value: str) -> None:
+    parts = [p for p in os.environ.get(name, "").split(os.pathsep) if p]
+    if value not in parts:
+        os.environ[name] = os.pathsep.join([value, *parts])
+
+
+def ensure_sdk() -> SdkInfo:
+    """Make a QNN SDK usable in this process (idempotent); raise SdkUnavailable if impossible."""
+    global _active
+    with _lock:
+        if _active is not None:
+            return _active
+        _import_torch_and_adaptor()
+        user_root = os.environ.get("QNN_SDK_ROOT")
+        if user_root:
+            root = Path(user_root)
+            real_htp = root / HOST_LIB_DIR / "libQnnHtp.so"
+            if not real_htp.exists():
+                raise SdkUnavailable(f"QNN_SDK_ROOT={root} has no {HOST_LIB_DIR}/libQnnHtp.so")
+            build_id = read_build_id(real_htp)
+            wants, reason = _shim_wanted(build_id)
+            shim, seconds = _shim_for_user_sdk(real_htp) if wants else (None, None)
+            info = SdkInfo(root, "QNN_SDK_ROOT", real_htp, build_id, shim, reason, seconds)
+        else:
+            wheel_htp = _wheel_lib_dir() / "libQnnHtp.so"
+            build_id = read_build_id(wheel_htp)
+            wants, reason = _shim_wanted(build_id)
+            root, shim, seconds = _assemble_from_wheel(build_id, wants)
+            info = SdkInfo(root, "onnxruntime-qnn wheel", wheel_htp, build_id, shim, reason, seconds)
+            # For executorch (skips its SDK download) and for child processes.
+            os.environ["QNN_SDK_ROOT"] = str(root)
+            _prepend_env("LD_LIBRARY_PATH", str(info.lib_dir))
+        preload = [info.shim] if info.shim else []
+        preload += [info.lib_dir / n for n in PRELOAD_LIBS if not (info.shim and n == "libQnnHtp.so")]
+        _preload(preload)
+        logger.info(
+            "QNN SDK %s (%s), QAIRT %s, HTP shim: %s (%s)",
+            info.root,
+            info.source,
+            info.build_id,
+            info.shim or "not used",
+            info.shim_reason,
+        )
+        _active = info
+        return info
+
+
+def active_sdk() -> Optional[SdkInfo]:
+    return _active
+
+
+def probe_in_subprocess(code: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter that calls ensure_sdk() first."""
+    prelude = "import qnn_convbwd.toolchain.sdk as s; s.ensure_sdk()\n"
+    with tempfile.TemporaryDirectory(prefix="qnn_convbwd_probe_") as cwd:
+        return subprocess.run(
+            [sys.executable, "-c", prelude + code],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd,
+        )

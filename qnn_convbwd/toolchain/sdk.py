@@ -38,7 +38,6 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Optional
 
 logger = logging.getLogger(__name__)
 
@@ -61,9 +60,9 @@ class SdkInfo:
     source: str  # "QNN_SDK_ROOT" or "onnxruntime-qnn wheel"
     real_htp: Path  # the QAIRT libQnnHtp.so
     build_id: str
-    shim: Optional[Path]  # compiled shim, None when not needed or disabled
+    shim: Path | None  # compiled shim, None when not needed or disabled
     shim_reason: str
-    shim_build_seconds: Optional[float]  # None when taken from the cache
+    shim_build_seconds: float | None  # None when taken from the cache
 
     @property
     def lib_dir(self) -> Path:
@@ -74,7 +73,7 @@ class SdkInfo:
 
 
 _lock = threading.Lock()
-_active: Optional[SdkInfo] = None
+_active: SdkInfo | None = None
 
 
 def parse_version(build_id: str) -> tuple[int, int]:
@@ -169,7 +168,7 @@ def read_build_id(htp_library: Path) -> str:
     return found
 
 
-def loaded_build_id(sdk: "SdkInfo") -> str:
+def loaded_build_id(sdk: SdkInfo) -> str:
     """Build id as the library answering to ``libQnnHtp.so`` in this process reports it."""
     import executorch.backends.qualcomm.python.PyQnnManagerAdaptor as adaptor
 
@@ -198,7 +197,7 @@ def _link(target: Path, link: Path) -> None:
     link.symlink_to(target)
 
 
-def _assemble_from_wheel(build_id: str, wants_shim: bool) -> tuple[Path, Optional[Path], Optional[float]]:
+def _assemble_from_wheel(build_id: str, wants_shim: bool) -> tuple[Path, Path | None, float | None]:
     wheel = _wheel_lib_dir()
     real_htp = wheel / "libQnnHtp.so"
     key = _fingerprint(real_htp, wheel / "libQnnSystem.so")
@@ -227,7 +226,7 @@ def _assemble_from_wheel(build_id: str, wants_shim: bool) -> tuple[Path, Optiona
     return root, shim, seconds
 
 
-def _shim_for_user_sdk(real_htp: Path) -> tuple[Path, Optional[float]]:
+def _shim_for_user_sdk(real_htp: Path) -> tuple[Path, float | None]:
     key = _fingerprint(real_htp)
     shim = cache_dir() / f"shim-{key}" / "libQnnHtp.so"
     seconds = None if shim.exists() else build_shim(real_htp, shim)
@@ -236,8 +235,8 @@ def _shim_for_user_sdk(real_htp: Path) -> tuple[Path, Optional[float]]:
 
 def _import_torch_and_adaptor() -> None:
     # Order matters: torch before any QNN library, the adaptor before the preloads.
-    import torch  # noqa: F401
     import executorch.backends.qualcomm.python.PyQnnManagerAdaptor  # noqa: F401
+    import torch  # noqa: F401
 
 
 def _preload(paths: list[Path]) -> None:
@@ -293,7 +292,7 @@ def ensure_sdk() -> SdkInfo:
         return info
 
 
-def active_sdk() -> Optional[SdkInfo]:
+def active_sdk() -> SdkInfo | None:
     return _active
 
 

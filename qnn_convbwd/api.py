@@ -1,0 +1,283 @@
+"""Public entry points: enable / disable / enabled, and lower() with its report."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import operator
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from . import integration, options
+from .builders import conv_geometry as geo
+from .partition import support
+from .partition.target import Target
+from .passes import preserve_output_dtypes, record_output_dtypes
+from .passes.shape_only_operands import SHAPE_OF, ReplaceShapeOnlyOperands
+
+logger = logging.getLogger(__name__)
+
+_state_lock = threading.Lock()
+# Latest support decision per node name, written while partitioning.
+_decisions: dict[str, support.Decision] = {}
+_TARGET_ATTR = "_qnn_convbwd_target"
+
+
+def _conv_bwd_edge_op():
+    return integration.get("ops").edge.aten.convolution_backward.default
+
+
+def _is_conv_bwd(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target == _conv_bwd_edge_op()
+
+
+def origins(node: torch.fx.Node) -> list[str]:
+    """The node's name and the names of the nodes it was traced from (``from_node``)."""
+    names = [node.name]
+    sources = list(node.meta.get("from_node") or [])
+    while sources:
+        source = sources.pop(0)
+        names.append(source.name)
+        sources.extend(getattr(source, "from_node", None) or [])
+    return names
+
+
+def _record(node: torch.fx.Node, decision: support.Decision) -> None:
+    for name in origins(node):
+        _decisions[name] = decision
+
+
+# --- hooks called from the patched executorch code ----------------------------
+
+
+def _on_support_init(checker, edge_program, compiler_specs) -> None:
+    setattr(checker, _TARGET_ATTR, Target.from_compile_specs(compiler_specs, edge_program))
+
+
+def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
+    target: Target | None = getattr(checker, _TARGET_ATTR, None)
+    if target is not None and _is_conv_bwd(node):
+        decision = support.decide(node, target)
+        if not decision.supported:
+            _record(node, decision)
+            return False
+        if not original():
+            rejection = support.Rejection(
+                "backend_validation", "rejected by the QNN backend's op validation", target.soc
+            )
+            logger.warning(rejection.message(node.name))
+            _record(node, support.Decision(node.name, decision.conv, rejection))
+            return False
+        _record(node, decision)
+        return True
+    if target is not None and node.meta.get(SHAPE_OF):
+        # A full standing in for a convolution_backward input: delegated with its consumer.
+        consumers = [u for u in node.users if _is_conv_bwd(u)]
+        if not all(support.decide(u, target, log=False).supported for u in consumers):
+            return False
+        return original()
+    if (
+        target is not None
+        and node.op == "call_function"
+        and node.target == operator.getitem
+        and isinstance(node.args[0], torch.fx.Node)
+        and _is_conv_bwd(node.args[0])
+    ):
+        # A getitem is always "supported" upstream; one of a CPU node must stay on CPU.
+        return support.decide(node.args[0], target, log=False).supported
+    return original()
+
+
+def _hooks() -> integration.Hooks:
+    from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
+
+    hooks = integration.Hooks()
+    hooks.visitor_targets = {TARGET: ConvolutionBackwardVisitor}
+    hooks.layout_sensitive_ops = (_conv_bwd_edge_op(),)
+    hooks.on_support_init = _on_support_init
+    hooks.is_node_supported = _is_node_supported
+    hooks.transform_pass = ReplaceShapeOnlyOperands
+    hooks.record_output_dtypes = record_output_dtypes
+    hooks.preserve_output_dtypes = preserve_output_dtypes
+    return hooks
+
+
+# --- public API -------------------------------------------------------------------
+
+
+def enable(**overrides: Any) -> None:
+    """Make executorch's Qualcomm flow lower convolution_backward (idempotent).
+
+    Also makes a QNN SDK usable in this process when one can be found or
+    assembled (see ``qnn_convbwd.toolchain``). ``overrides`` set fields of
+    ``qnn_convbwd.options.Options``.
+    """
+    from .toolchain import SdkUnavailable, ensure_sdk
+
+    with _state_lock:
+        try:
+            ensure_sdk()
+        except SdkUnavailable as err:
+            logger.warning("no usable QNN SDK (%s); partitioning works, compiling will not", err)
+        options.update(**overrides)
+        integration.install(_hooks())
+
+
+def disable() -> None:
+    """Restore executorch exactly as it was before enable()."""
+    with _state_lock:
+        integration.uninstall()
+        options.current = options.Options()
+
+
+def is_enabled() -> bool:
+    return integration.installed()
+
+
+@contextlib.contextmanager
+def enabled(**overrides: Any) -> Iterator[None]:
+    """``with qnn_convbwd.enabled(): ...`` enables for the block; restores the prior state."""
+    was = is_enabled()
+    before = options.current
+    enable(**overrides)
+    try:
+        yield
+    finally:
+        if was:
+            options.current = before
+        else:
+            disable()
+
+
+# --- lower() and its report ---------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportRow:
+    node: str
+    grad_output: list
+    input: list
+    weight: list
+    stride: list
+    padding: list
+    dilation: list
+    groups: int
+    output_mask: list
+    delegated: bool
+    reason: str
+
+
+@dataclasses.dataclass
+class Report:
+    rows: list[ReportRow]
+
+    @property
+    def delegated(self) -> int:
+        return sum(r.delegated for r in self.rows)
+
+    def to_markdown(self) -> str:
+        head = (
+            "| node | grad_output | weight | stride | padding | dilation | groups | mask "
+            "| delegated | reason |\n|---|---|---|---|---|---|---|---|---|---|"
+        )
+        lines = [
+            f"| {r.node} | {r.grad_output} | {r.weight} | {r.stride} | {r.padding} | "
+            f"{r.dilation} | {r.groups} | {r.output_mask} | {'yes' if r.delegated else 'no'} "
+            f"| {r.reason} |"
+            for r in self.rows
+        ]
+        return "\n".join([head, *lines])
+
+
+@dataclasses.dataclass
+class LoweringResult:
+    edge: Any  # executorch EdgeProgramManager
+    report: Report
+
+
+def _conv_bwd_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    aten_op = torch.ops.aten.convolution_backward.default
+    return [
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and (n.target == aten_op or _is_conv_bwd(n))
+    ]
+
+
+def lower(
+    program: torch.export.ExportedProgram,
+    compiler_specs: list,
+    skip_node_id_set: set | None = None,
+    skip_node_op_set: set | None = None,
+) -> LoweringResult:
+    """Lower an ExportedProgram (e.g. a joint forward-backward graph) with QNN.
+
+    Runs the Qualcomm flow (export passes, to_edge transform passes,
+    ``to_edge_transform_and_lower`` with ``QnnPartitioner``) with the plugin
+    enabled, and reports one row per convolution_backward node.
+    """
+    with enabled():
+        target = Target.from_compile_specs(compiler_specs)
+        before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
+        _decisions.clear()
+
+        backend = integration.get("flatbuffer_to_option")(
+            integration.get("generate_qnn_executorch_option")(compiler_specs)
+        ).backend_options.backend_type
+        pass_manager = integration.get("get_qnn_pass_manager_cls")(backend)()
+        aten_program = pass_manager.transform_for_export_pipeline(program)
+        passes = pass_manager.get_to_edge_transform_passes(
+            aten_program,
+            compiler_specs=compiler_specs,
+            skip_node_id_set=skip_node_id_set,
+            skip_node_op_set=skip_node_op_set,
+        )
+        partitioner = integration.get("QnnPartitioner")(
+            compiler_specs,
+            skip_node_id_set=skip_node_id_set,
+            skip_node_op_set=skip_node_op_set,
+        )
+        with integration.get("QnnManagerContext")({"forward": compiler_specs}):
+            edge = integration.get("to_edge_transform_and_lower")(
+                aten_program,
+                transform_passes=passes,
+                partitioner=[partitioner],
+                compile_config=integration.get("qnn_edge_config")(),
+            )
+
+        remaining = {
+            name for n in _conv_bwd_nodes(edge.exported_program().graph) for name in origins(n)
+        }
+        rows = []
+        for name, conv in before.items():
+            decision = _decisions.get(name)
+            delegated = name not in remaining
+            if delegated:
+                reason = "delegated"
+            elif decision is not None and decision.rejection is not None:
+                reason = f"{decision.rejection.reason} ({decision.rejection.values})"
+            elif skip_node_id_set and name in skip_node_id_set:
+                reason = "skipped by skip_node_id_set"
+            else:
+                reason = "not partitioned (kept on CPU by the partitioner)"
+            rows.append(
+                ReportRow(
+                    node=name,
+                    grad_output=list(conv.grad_output_shape),
+                    input=list(conv.input_shape),
+                    weight=list(conv.weight_shape),
+                    stride=list(conv.stride),
+                    padding=list(conv.padding),
+                    dilation=list(conv.dilation),
+                    groups=conv.groups,
+                    output_mask=list(conv.output_mask),
+                    delegated=delegated,
+                    reason=reason,
+                )
+            )
+        logger.info("convolution_backward on %s: %d of %d delegated", target.soc, sum(r.delegated for r in rows), len(rows))
+        return LoweringResult(edge, Report(rows))

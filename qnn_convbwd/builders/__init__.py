@@ -1,0 +1,1 @@
+"""QNN node visitors of qnn_convbwd."""

@@ -1,0 +1,208 @@
+"""Arguments of ``aten.convolution_backward`` and the transposed convolution that
+computes its input gradient, derived generically over the spatial dimensions.
+
+Schema: https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/native_functions.yaml
+(``convolution_backward``). Shapes are NC<spatial>: grad_output is
+``[N, C_out, *out]``, input ``[N, C_in, *in]``, weight ``[C_out, C_in / groups, *k]``.
+
+Layout names used across the package (4-D case):
+
+* ``OIHW``: torch convolution weight ``[C_out, C_in/g, kH, kW]``.
+* ``HWIO``: QNN Conv2d filter ``[kH, kW, C_in/g, C_out]`` = OIHW permuted (2, 3, 1, 0).
+  executorch's forward Conv2d visitor stores the static weight in this layout.
+* ``HWOI``: QNN TransposeConv2d filter for the input gradient. TransposeConv2d
+  takes ``[kH, kW, C_in_t, C_out_t / g]``; the backward convolution reads
+  ``C_in_t = C_out`` channels and produces ``C_out_t = C_in`` channels, so its
+  filter is ``[kH, kW, C_out, C_in/g]`` = HWIO permuted (0, 1, 3, 2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+# Argument positions in the schema.
+GRAD_OUTPUT, INPUT, WEIGHT, BIAS_SIZES, STRIDE, PADDING, DILATION = range(7)
+TRANSPOSED, OUTPUT_PADDING, GROUPS, OUTPUT_MASK = range(7, 11)
+
+OIHW_TO_HWIO = (2, 3, 1, 0)
+HWIO_TO_HWOI = (0, 1, 3, 2)
+
+
+class ConvArgumentError(ValueError):
+    """The node's arguments cannot describe a convolution backward we understand."""
+
+
+def _per_dim(name: str, values: Sequence[int], spatial: int) -> tuple[int, ...]:
+    """One rule for every per-dimension argument: length 1 broadcasts, length n is taken."""
+    values = tuple(int(v) for v in values)
+    if len(values) == 1:
+        return values * spatial
+    if len(values) != spatial:
+        raise ConvArgumentError(f"{name} has {len(values)} entries for {spatial} spatial dims")
+    return values
+
+
+def _static(shape: Sequence) -> tuple[int, ...] | None:
+    if any(not isinstance(d, int) for d in shape):
+        return None
+    return tuple(shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvBackward:
+    """Everything the support rules and the visitor need to know about one node."""
+
+    grad_output_shape: tuple
+    input_shape: tuple
+    weight_shape: tuple
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+    output_padding_arg: tuple[int, ...]
+    groups: int
+    output_mask: tuple[bool, bool, bool]
+    dtype: torch.dtype
+
+    @property
+    def rank(self) -> int:
+        return len(self.grad_output_shape)
+
+    @property
+    def spatial_dims(self) -> int:
+        return self.rank - 2
+
+    @property
+    def kernel(self) -> tuple[int, ...]:
+        return tuple(self.weight_shape[2:])
+
+    @property
+    def in_channels(self) -> int:
+        return int(self.input_shape[1])
+
+    @property
+    def out_channels(self) -> int:
+        return int(self.weight_shape[0])
+
+    @property
+    def is_static(self) -> bool:
+        return all(
+            _static(s) is not None
+            for s in (self.grad_output_shape, self.input_shape, self.weight_shape)
+        )
+
+    @property
+    def is_depthwise(self) -> bool:
+        """Every group reads one input channel (MobileNet-style)."""
+        return self.groups > 1 and self.groups == self.in_channels
+
+    def transposed_output_padding(self) -> tuple[int, ...]:
+        """output_padding of the transposed conv that maps grad_output back to input's size.
+
+        A transposed convolution produces ``(o - 1) * s - 2 p + d (k - 1) + 1 + op``
+        elements per dim; ``op`` makes up what the forward convolution's floor
+        division dropped (odd sizes with stride 2 need 1).
+        """
+        return tuple(
+            int(i) - ((int(o) - 1) * s - 2 * p + d * (k - 1) + 1)
+            for i, o, s, p, d, k in zip(
+                self.input_shape[2:],
+                self.grad_output_shape[2:],
+                self.stride,
+                self.padding,
+                self.dilation,
+                self.kernel,
+            )
+        )
+
+    def describe(self) -> dict:
+        return {
+            "grad_output": list(self.grad_output_shape),
+            "input": list(self.input_shape),
+            "weight": list(self.weight_shape),
+            "stride": list(self.stride),
+            "padding": list(self.padding),
+            "dilation": list(self.dilation),
+            "groups": self.groups,
+            "transposed": self.transposed,
+            "output_mask": list(self.output_mask),
+        }
+
+
+def parse(node: torch.fx.Node) -> ConvBackward:
+    """Read a convolution_backward node's arguments and shapes; raise ConvArgumentError."""
+    args = node.args
+    if len(args) != 11:
+        raise ConvArgumentError(f"expected 11 arguments, got {len(args)}")
+    vals = []
+    for idx in (GRAD_OUTPUT, INPUT, WEIGHT):
+        arg = args[idx]
+        val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor):
+            raise ConvArgumentError(f"argument {idx} carries no tensor metadata")
+        vals.append(val)
+    grad_output, inp, weight = vals
+    if not (grad_output.dim() == inp.dim() == weight.dim()) or grad_output.dim() < 3:
+        raise ConvArgumentError(
+            f"ranks differ or are below 3: grad_output {grad_output.dim()}, "
+            f"input {inp.dim()}, weight {weight.dim()}"
+        )
+    spatial = grad_output.dim() - 2
+    mask = tuple(bool(m) for m in args[OUTPUT_MASK])
+    if len(mask) != 3:
+        raise ConvArgumentError(f"output_mask has {len(mask)} entries")
+    return ConvBackward(
+        grad_output_shape=tuple(grad_output.shape),
+        input_shape=tuple(inp.shape),
+        weight_shape=tuple(weight.shape),
+        stride=_per_dim("stride", args[STRIDE], spatial),
+        padding=_per_dim("padding", args[PADDING], spatial),
+        dilation=_per_dim("dilation", args[DILATION], spatial),
+        transposed=bool(args[TRANSPOSED]),
+        output_padding_arg=_per_dim("output_padding", args[OUTPUT_PADDING], spatial),
+        groups=int(args[GROUPS]),
+        output_mask=mask,  # type: ignore[arg-type]
+        dtype=grad_output.dtype,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TransposedConvPlan:
+    """Parameters of the QNN TransposeConv2d (plus an optional trailing Pad)."""
+
+    stride: tuple[int, ...]
+    pad_amount: tuple[tuple[int, int], ...]  # per spatial dim: (begin, end)
+    output_padding: tuple[int, ...]
+    trailing_pad: tuple[int, ...]  # zeros appended at the end of each spatial dim
+    groups: int
+
+
+def plan_input_gradient(conv: ConvBackward, fold_output_padding: bool) -> TransposedConvPlan:
+    """Transposed-convolution parameters that compute grad_input.
+
+    With ``fold_output_padding`` the output padding is expressed without the
+    ``output_padding`` parameter: cropping ``op`` fewer elements at the end is the
+    same as growing the output by ``op``, and where the end padding is smaller
+    than ``op`` the remaining elements lie beyond the kernel's reach and are zero,
+    so a trailing zero Pad supplies them. Used for depthwise convolutions, where
+    the HTP simulator computes TransposeConv2d with output_padding > 0 wrongly.
+    """
+    op = conv.transposed_output_padding()
+    if not fold_output_padding:
+        return TransposedConvPlan(
+            stride=conv.stride,
+            pad_amount=tuple((p, p) for p in conv.padding),
+            output_padding=op,
+            trailing_pad=(0,) * conv.spatial_dims,
+            groups=conv.groups,
+        )
+    return TransposedConvPlan(
+        stride=conv.stride,
+        pad_amount=tuple((p, max(p - o, 0)) for p, o in zip(conv.padding, op)),
+        output_padding=(0,) * conv.spatial_dims,
+        trailing_pad=tuple(max(o - p, 0) for p, o in zip(conv.padding, op)),
+        groups=conv.groups,
+    )

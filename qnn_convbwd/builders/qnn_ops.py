@@ -1,0 +1,72 @@
+"""Small helpers that build QNN op wrappers and native tensors for the visitors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .. import integration
+
+
+def adaptor_enum(name: str):
+    return integration.get(name)
+
+
+def uint32_param(op, name: str, values) -> None:
+    """Attach a uint32 tensor parameter (any nesting of lists) to ``op``."""
+    array = np.asarray(values, dtype=np.uint32)
+    shape = list(array.shape)
+    op.AddTensorParam(
+        name,
+        adaptor_enum("Qnn_DataType_t").QNN_DATATYPE_UINT_32,
+        len(shape),
+        shape,
+        array,
+        True,
+    )
+
+
+def uint32_scalar(op, name: str, value: int) -> None:
+    op.AddScalarParam(
+        name,
+        adaptor_enum("Qnn_DataType_t").QNN_DATATYPE_UINT_32,
+        {integration.get("QCOM_DATA"): np.uint32(value)},
+    )
+
+
+def float_scalar(op, name: str, value: float) -> None:
+    op.AddScalarParam(
+        name,
+        adaptor_enum("Qnn_DataType_t").QNN_DATATYPE_FLOAT_32,
+        {integration.get("QCOM_DATA"): float(value)},
+    )
+
+
+def new_op(name: str, op_type: str, inputs: Sequence, outputs: Sequence):
+    op = integration.get("PyQnnOpWrapper")(
+        name, integration.get("QNN_OP_PACKAGE_NAME_QTI_AISW"), op_type
+    )
+    op.AddInputTensors(list(inputs))
+    op.AddOutputTensors(list(outputs))
+    return op
+
+
+def native_tensor(
+    visitor, name: str, shape: Sequence[int], dtype: torch.dtype, nodes_to_wrappers
+):
+    """A data-less QNN tensor produced inside the graph (cached under ``name``)."""
+    return visitor.define_custom_tensor_wrapper(
+        node_name=name,
+        tensor_type=adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE,
+        dtype=integration.get("QNN_TENSOR_TYPE_MAP")[dtype],
+        quant_encoding=adaptor_enum(
+            "Qnn_QuantizationEncoding_t"
+        ).QNN_QUANTIZATION_ENCODING_UNDEFINED,
+        quant_configs={},
+        dims=torch.Size(shape),
+        tensor=None,
+        is_fake_tensor=True,
+        nodes_to_wrappers=nodes_to_wrappers,
+    )

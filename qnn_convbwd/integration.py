@@ -1,0 +1,266 @@
+"""Every place qnn_convbwd reaches into executorch internals, in one module.
+
+executorch exposes no plugin API for QNN node visitors or passes, so the plugin
+uses names that are internal to ``executorch.backends.qualcomm``. Each is listed
+in ``INTERNALS`` (and in the README). ``check_internals()`` resolves all of them
+up front and fails with one message naming the executorch version and every
+missing name, instead of an AttributeError deep inside a lowering.
+
+``install()`` / ``uninstall()`` apply and exactly revert the patches; the rest of
+the package only calls the functions here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_EXECUTORCH = "1.5.1"
+_QC = "executorch.backends.qualcomm"
+
+# (module, attribute path, what the plugin does with it)
+INTERNALS: tuple[tuple[str, str, str], ...] = (
+    (f"{_QC}.builders.node_visitor", "NodeVisitor", "base class of the visitor"),
+    (f"{_QC}.builders.node_visitor_manager", "_node_visitor_dict", "visitor registration"),
+    (f"{_QC}.builders.qnn_constants", "OpTranspose", "QNN op/param names"),
+    (f"{_QC}.builders.qnn_constants", "OpTransposeConv2d", "QNN op/param names"),
+    (f"{_QC}.builders.qnn_constants", "OpPad", "QNN op/param names"),
+    (f"{_QC}.builders.qnn_constants", "QNN_OP_PACKAGE_NAME_QTI_AISW", "QNN op package"),
+    (f"{_QC}.builders.utils", "get_parameter", "reads static weights"),
+    (f"{_QC}.builders.utils", "is_parameter", "static-weight check"),
+    (f"{_QC}.utils.constants", "QCOM_QUANT_ATTRS", "quantization metadata key"),
+    (f"{_QC}.utils.constants", "QCOM_DATA", "scalar param key"),
+    (f"{_QC}.utils.constants", "QCOM_ORIG_DTYPE", "I64toI32 output dtype key"),
+    (f"{_QC}.utils.utils", "get_soc_to_htp_arch_map", "HTP arch gate"),
+    (f"{_QC}.partition.utils", "generate_qnn_executorch_option", "reads compile specs"),
+    (f"{_QC}.serialization.qc_schema_serialize", "flatbuffer_to_option", "reads compile specs"),
+    (f"{_QC}.serialization.qc_schema", "QnnExecuTorchBackendType", "backend gate"),
+    (f"{_QC}.partition.qnn_partitioner", "QnnOperatorSupport.__init__", "patched: keeps specs"),
+    (f"{_QC}.partition.qnn_partitioner", "QnnOperatorSupport.is_node_supported", "patched: gates"),
+    (f"{_QC}._passes.qnn_pass_manager", "QnnPassManager.get_default_pass_activations", "patched"),
+    (
+        f"{_QC}._passes.qnn_pass_manager",
+        "QnnPassManager.get_passes_dependency_for_capture_program",
+        "patched",
+    ),
+    (f"{_QC}._passes", "LayoutTransform", "pass ordering"),
+    (f"{_QC}._passes", "I64toI32", "pass ordering"),
+    (f"{_QC}._passes", "RemoveRedundancy", "pass ordering"),
+    (f"{_QC}._passes", "ResolveDebugHandle", "pass ordering"),
+    (f"{_QC}._passes.i64_to_i32", "I64toI32._record_original_output_dtype", "patched"),
+    (f"{_QC}._passes.i64_to_i32", "I64toI32._preserve_output_dtype", "patched"),
+    (f"{_QC}._passes.layout_transform", "LayoutTransform.layout_sensitive_ops", "op added"),
+    (f"{_QC}.python.PyQnnManagerAdaptor", "PyQnnOpWrapper", "builds QNN ops"),
+    (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_TensorType_t", "QNN tensor types"),
+    (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_DataType_t", "QNN data types"),
+    (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_QuantizationEncoding_t", "QNN quant encoding"),
+    (f"{_QC}.python.PyQnnManagerAdaptor", "PyQnnTensorWrapper", "reads tensor names"),
+    (f"{_QC}.builders.node_visitor", "QNN_TENSOR_TYPE_MAP", "torch -> QNN dtype"),
+    ("executorch.exir.dialects._ops", "ops", "edge dialect op handles"),
+    ("executorch.exir", "to_edge_transform_and_lower", "lower()"),
+    (f"{_QC}.partition.qnn_partitioner", "QnnPartitioner", "lower()"),
+    (f"{_QC}._passes.qnn_pass_manager", "get_qnn_pass_manager_cls", "lower()"),
+    (f"{_QC}.utils.qnn_manager_lifecycle", "QnnManagerContext", "lower()"),
+    (f"{_QC}.utils.utils", "qnn_edge_config", "lower()"),
+)
+
+
+class ExecutorchIntegrationError(RuntimeError):
+    """An executorch internal the plugin relies on is missing or changed."""
+
+
+def executorch_version() -> str:
+    try:
+        return importlib.metadata.version("executorch")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _resolve(module: str, path: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_internals() -> None:
+    """Resolve every entry of INTERNALS; raise one error listing all that are missing."""
+    missing = []
+    for module, path, why in INTERNALS:
+        try:
+            _resolve(module, path)
+        except (ImportError, AttributeError) as err:
+            missing.append(f"  {module}.{path} ({why}): {err}")
+    if missing:
+        raise ExecutorchIntegrationError(
+            f"qnn_convbwd was written against executorch {SUPPORTED_EXECUTORCH}; the installed "
+            f"executorch {executorch_version()} lacks internals it needs:\n" + "\n".join(missing)
+        )
+
+
+def get(path: str) -> Any:
+    """Resolve one listed internal by its attribute path (e.g. ``"OpTransposeConv2d"``)."""
+    for module, entry, _ in INTERNALS:
+        if entry == path:
+            try:
+                return _resolve(module, entry)
+            except (ImportError, AttributeError) as err:
+                raise ExecutorchIntegrationError(
+                    f"executorch {executorch_version()}: {module}.{entry} is missing ({err}); "
+                    f"qnn_convbwd needs executorch {SUPPORTED_EXECUTORCH}"
+                ) from err
+    raise KeyError(f"{path} is not a listed executorch internal")
+
+
+# ---------------------------------------------------------------------------
+# Patching with exact restore
+# ---------------------------------------------------------------------------
+
+class _Patches:
+    def __init__(self) -> None:
+        self._undo: list[Callable[[], None]] = []
+
+    def set_attr(self, owner: Any, name: str, value: Any) -> None:
+        had = name in vars(owner)
+        old = vars(owner).get(name)
+        setattr(owner, name, value)
+
+        def undo() -> None:
+            if had:
+                setattr(owner, name, old)
+            else:
+                delattr(owner, name)
+
+        self._undo.append(undo)
+
+    def dict_item(self, mapping: dict, key: Any, value: Any) -> None:
+        had = key in mapping
+        old = mapping.get(key)
+        mapping[key] = value
+
+        def undo() -> None:
+            if had:
+                mapping[key] = old
+            else:
+                mapping.pop(key, None)
+
+        self._undo.append(undo)
+
+    def set_add(self, target: set, item: Any) -> None:
+        if item in target:
+            return
+        target.add(item)
+        self._undo.append(lambda: target.discard(item))
+
+    def revert(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+_patches: _Patches | None = None
+
+
+def installed() -> bool:
+    return _patches is not None
+
+
+def install(hooks: Hooks) -> None:
+    """Register the visitor and apply the patches (no-op when already installed)."""
+    global _patches
+    if _patches is not None:
+        return
+    check_internals()
+    p = _Patches()
+    try:
+        _apply(p, hooks)
+    except BaseException:
+        p.revert()
+        raise
+    _patches = p
+
+
+def uninstall() -> None:
+    global _patches
+    if _patches is None:
+        return
+    _patches.revert()
+    _patches = None
+
+
+class Hooks:
+    """What the plugin contributes at each integration point; filled by qnn_convbwd.api."""
+
+    visitor_targets: dict[str, type]  # "aten.convolution_backward.default" -> visitor class
+    layout_sensitive_ops: tuple  # edge ops the layout pass must treat as NHWC
+    on_support_init: Callable[[Any, Any, Any], None]  # (checker, edge_program, compiler_specs)
+    is_node_supported: Callable[[Callable, Any, Any], bool]  # (original, checker, node)
+    transform_pass: type  # added to QnnPassManager's to_edge transform passes
+    record_output_dtypes: Callable[[Any, Any], None]  # (pass, graph_module)
+    preserve_output_dtypes: Callable[[Callable, Any, Any], None]  # (original, pass, gm)
+
+
+def _apply(p: _Patches, hooks: Hooks) -> None:
+    visitors = get("_node_visitor_dict")
+    for target, cls in hooks.visitor_targets.items():
+        p.dict_item(visitors, target, cls)
+
+    sensitive = get("LayoutTransform.layout_sensitive_ops")
+    for op in hooks.layout_sensitive_ops:
+        p.set_add(sensitive, op)
+
+    qp = importlib.import_module(f"{_QC}.partition.qnn_partitioner")
+    support_cls = qp.QnnOperatorSupport
+
+    orig_init = support_cls.__init__
+
+    def support_init(self, edge_program, compiler_specs, *args, **kwargs):
+        orig_init(self, edge_program, compiler_specs, *args, **kwargs)
+        hooks.on_support_init(self, edge_program, compiler_specs)
+
+    p.set_attr(support_cls, "__init__", support_init)
+
+    orig_supported = support_cls.is_node_supported
+
+    def is_node_supported(self, submodules, node):
+        return hooks.is_node_supported(
+            lambda: orig_supported(self, submodules, node), self, node
+        )
+
+    p.set_attr(support_cls, "is_node_supported", is_node_supported)
+
+    pm_cls = importlib.import_module(f"{_QC}._passes.qnn_pass_manager").QnnPassManager
+    orig_activations = pm_cls.get_default_pass_activations.__func__
+    orig_deps = pm_cls.get_passes_dependency_for_capture_program.__func__
+
+    def activations(cls):
+        return [*orig_activations(cls), (hooks.transform_pass, True)]
+
+    def dependencies(cls):
+        deps = orig_deps(cls)
+        # After the graph is cleaned up, before the passes that read operands'
+        # layout and dtype; ResolveDebugHandle must stay last.
+        deps[hooks.transform_pass] = [get("RemoveRedundancy")]
+        for later in ("LayoutTransform", "I64toI32", "ResolveDebugHandle"):
+            deps.setdefault(get(later), [])
+            deps[get(later)] = [*deps[get(later)], hooks.transform_pass]
+        return deps
+
+    p.set_attr(pm_cls, "get_default_pass_activations", classmethod(activations))
+    p.set_attr(pm_cls, "get_passes_dependency_for_capture_program", classmethod(dependencies))
+
+    i64 = importlib.import_module(f"{_QC}._passes.i64_to_i32").I64toI32
+    orig_preserve = i64._preserve_output_dtype
+
+    def record(self, graph_module):
+        hooks.record_output_dtypes(self, graph_module)
+
+    def preserve(self, graph_module):
+        hooks.preserve_output_dtypes(lambda gm: orig_preserve(self, gm), self, graph_module)
+
+    p.set_attr(i64, "_record_original_output_dtype", record)
+    p.set_attr(i64, "_preserve_output_dtype", preserve)

@@ -1,0 +1,23 @@
+"""Switches of the lowering, set through ``qnn_convbwd.enable(**options)``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Options:
+    # Express output_padding of depthwise TransposeConv2d through the end padding
+    # (plus a zero Pad) instead of the output_padding parameter, which the HTP
+    # simulator computes wrongly for depthwise convolutions (QAIRT 2.51).
+    fold_depthwise_output_padding: bool = True
+
+
+current = Options()
+
+
+def update(**overrides: object) -> Options:
+    """Apply ``overrides`` to the current options; unknown names raise TypeError."""
+    global current
+    current = dataclasses.replace(current, **overrides)
+    return current

@@ -1,0 +1,111 @@
+"""Replace operands that are read only for their shape by a static-shape ``full``.
+
+Two ops in training graphs read a tensor only for its shape:
+
+* ``full_like(loss, 1)``, the seed of the backward pass;
+* ``convolution_backward``'s ``input`` when only grad_input is asked for.
+
+Left as they are, a partition that holds the op but not the producer declares
+an input the QNN graph never reads, and executorch rejects the lowering
+(``_check_io_binding``). A ``full`` of the same shape and dtype carries the
+same information inside the partition. The input of a convolution_backward is
+replaced only for nodes the support rules delegate: a node that stays on CPU
+keeps its operands exactly as they were.
+
+executorch forbids partitioners to change the graph, so this runs as one of
+QnnPassManager's to_edge transform passes. When the pass manager is given the
+compile specs, the decision is final here; without them the target-dependent
+rules are left to the partitioner, and the inserted ``full`` carries
+``SHAPE_OF`` so the partitioner keeps it on CPU when its consumer stays there.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from .. import integration
+from ..builders import conv_geometry as geo
+
+SHAPE_OF = "qnn_convbwd_shape_of"
+
+logger = logging.getLogger(__name__)
+
+
+def _edge_ops():
+    return integration.get("ops").edge.aten
+
+
+def _insert_full(graph: torch.fx.Graph, before: torch.fx.Node, like: torch.Tensor, value, name: str):
+    with graph.inserting_before(before):
+        full = graph.create_node(
+            "call_function",
+            _edge_ops().full.default,
+            (list(like.shape), value),
+            {"dtype": like.dtype},
+            name=name,
+        )
+    full.meta["val"] = like
+    return full
+
+
+def _static(value) -> bool:
+    return isinstance(value, torch.Tensor) and all(isinstance(d, int) for d in value.shape)
+
+
+def replace_shape_only_operands(
+    graph_module: torch.fx.GraphModule, delegated: Callable[[torch.fx.Node], bool]
+) -> int:
+    """Rewrite in place; return how many operands were replaced."""
+    ops = _edge_ops()
+    graph = graph_module.graph
+    replaced = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target == ops.full_like.default and _static(node.meta.get("val")):
+            full = _insert_full(graph, node, node.meta["val"], node.args[1], f"{node.name}_full")
+            node.replace_all_uses_with(full)
+            graph.erase_node(node)
+            replaced += 1
+        elif node.target == ops.convolution_backward.default:
+            source = node.args[geo.INPUT]
+            mask = node.args[geo.OUTPUT_MASK]
+            if mask[1] or not _static(source.meta.get("val")) or not delegated(node):
+                continue
+            if source.target == ops.full.default:
+                continue
+            full = _insert_full(graph, node, source.meta["val"], 0.0, f"{node.name}_input_shape")
+            full.meta[SHAPE_OF] = node.name
+            node.replace_input_with(source, full)
+            replaced += 1
+    if replaced:
+        graph_module.recompile()
+        logger.debug("replaced %d shape-only operands by full", replaced)
+    return replaced
+
+
+class ReplaceShapeOnlyOperands(PassBase):
+    """to_edge transform pass wrapping ``replace_shape_only_operands``."""
+
+    def __init__(self, edge_program=None, compiler_specs=None) -> None:
+        super().__init__()
+        self.edge_program = edge_program
+        self.compiler_specs = compiler_specs
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        from ..partition import support
+        from ..partition.target import Target
+
+        target = (
+            Target.from_compile_specs(self.compiler_specs, self.edge_program)
+            if self.compiler_specs
+            else Target.unknown(self.edge_program)
+        )
+        changed = replace_shape_only_operands(
+            graph_module, lambda node: support.decide(node, target, log=False).supported
+        )
+        return PassResult(graph_module, changed > 0)

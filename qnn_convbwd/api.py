@@ -279,5 +279,10 @@ def lower(
                     reason=reason,
                 )
             )
-        logger.info("convolution_backward on %s: %d of %d delegated", target.soc, sum(r.delegated for r in rows), len(rows))
+        logger.info(
+            "convolution_backward on %s: %d of %d delegated",
+            target.soc,
+            sum(r.delegated for r in rows),
+            len(rows),
+        )
         return LoweringResult(edge, Report(rows))

@@ -121,6 +121,7 @@ def get(path: str) -> Any:
 # Patching with exact restore
 # ---------------------------------------------------------------------------
 
+
 class _Patches:
     def __init__(self) -> None:
         self._undo: list[Callable[[], None]] = []
@@ -227,9 +228,7 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
     orig_supported = support_cls.is_node_supported
 
     def is_node_supported(self, submodules, node):
-        return hooks.is_node_supported(
-            lambda: orig_supported(self, submodules, node), self, node
-        )
+        return hooks.is_node_supported(lambda: orig_supported(self, submodules, node), self, node)
 
     p.set_attr(support_cls, "is_node_supported", is_node_supported)
 

@@ -54,8 +54,7 @@ class ConvolutionBackwardVisitor(NodeVisitor):
 
         plan = geo.plan_input_gradient(
             conv,
-            fold_output_padding=conv.is_depthwise
-            and options.current.fold_depthwise_output_padding,
+            fold_output_padding=conv.is_depthwise and options.current.fold_depthwise_output_padding,
         )
         ops = [] if weight.transpose is None else [weight.transpose]
         tconv_out = grad_input
@@ -68,9 +67,7 @@ class ConvolutionBackwardVisitor(NodeVisitor):
             )
 
         names = integration.get("OpTransposeConv2d")
-        tconv = qnn_ops.new_op(
-            node.name, names.op_name, [grad_output, weight.hwoi], [tconv_out]
-        )
+        tconv = qnn_ops.new_op(node.name, names.op_name, [grad_output, weight.hwoi], [tconv_out])
         qnn_ops.uint32_param(tconv, names.param_stride, plan.stride)
         qnn_ops.uint32_param(tconv, names.param_pad_amount, plan.pad_amount)
         qnn_ops.uint32_param(tconv, names.param_output_padding, plan.output_padding)

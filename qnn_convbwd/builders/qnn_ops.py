@@ -53,9 +53,7 @@ def new_op(name: str, op_type: str, inputs: Sequence, outputs: Sequence):
     return op
 
 
-def native_tensor(
-    visitor, name: str, shape: Sequence[int], dtype: torch.dtype, nodes_to_wrappers
-):
+def native_tensor(visitor, name: str, shape: Sequence[int], dtype: torch.dtype, nodes_to_wrappers):
     """A data-less QNN tensor produced inside the graph (cached under ``name``)."""
     return visitor.define_custom_tensor_wrapper(
         node_name=name,

@@ -117,9 +117,7 @@ def two_spatial_dims(node, conv, target):
 @rule
 def static_shapes(node, conv, target):
     if not conv.is_static:
-        return _reject(
-            "dynamic shapes", f"grad_output={list(conv.grad_output_shape)}"
-        )
+        return _reject("dynamic shapes", f"grad_output={list(conv.grad_output_shape)}")
     return None
 
 
@@ -169,7 +167,10 @@ def _is_dequantize(node: torch.fx.Node) -> bool:
 @rule
 def not_quantized(node, conv, target):
     key = integration.get("QCOM_QUANT_ATTRS")
-    for role, operand in (("grad_output", node.args[geo.GRAD_OUTPUT]), ("weight", _weight_node(node))):
+    for role, operand in (
+        ("grad_output", node.args[geo.GRAD_OUTPUT]),
+        ("weight", _weight_node(node)),
+    ):
         if operand.meta.get(key):
             return _reject("quantized operand", f"{role}={operand.name} has {key}")
         if _is_dequantize(operand):

@@ -37,7 +37,9 @@ class Target:
     @classmethod
     def unknown(cls, edge_program: Any = None) -> Target:
         """No compile specs at hand: target rules are deferred to the partitioner."""
-        return cls(backend=None, soc="unknown", htp_arch=None, saver=False, edge_program=edge_program)
+        return cls(
+            backend=None, soc="unknown", htp_arch=None, saver=False, edge_program=edge_program
+        )
 
     @property
     def known(self) -> bool:

@@ -39,7 +39,9 @@ def _edge_ops():
     return integration.get("ops").edge.aten
 
 
-def _insert_full(graph: torch.fx.Graph, before: torch.fx.Node, like: torch.Tensor, value, name: str):
+def _insert_full(
+    graph: torch.fx.Graph, before: torch.fx.Node, like: torch.Tensor, value, name: str
+):
     with graph.inserting_before(before):
         full = graph.create_node(
             "call_function",

@@ -273,12 +273,16 @@ def ensure_sdk() -> SdkInfo:
             build_id = read_build_id(wheel_htp)
             wants, reason = _shim_wanted(build_id)
             root, shim, seconds = _assemble_from_wheel(build_id, wants)
-            info = SdkInfo(root, "onnxruntime-qnn wheel", wheel_htp, build_id, shim, reason, seconds)
+            info = SdkInfo(
+                root, "onnxruntime-qnn wheel", wheel_htp, build_id, shim, reason, seconds
+            )
             # For executorch (skips its SDK download) and for child processes.
             os.environ["QNN_SDK_ROOT"] = str(root)
             _prepend_env("LD_LIBRARY_PATH", str(info.lib_dir))
         preload = [info.shim] if info.shim else []
-        preload += [info.lib_dir / n for n in PRELOAD_LIBS if not (info.shim and n == "libQnnHtp.so")]
+        preload += [
+            info.lib_dir / n for n in PRELOAD_LIBS if not (info.shim and n == "libQnnHtp.so")
+        ]
         _preload(preload)
         logger.info(
             "QNN SDK %s (%s), QAIRT %s, HTP shim: %s (%s)",

@@ -11,6 +11,8 @@ class Options:
     # (plus a zero Pad) instead of the output_padding parameter, which the HTP
     # simulator computes wrongly for depthwise convolutions (QAIRT 2.51).
     fold_depthwise_output_padding: bool = True
+    # How grad_input is built: a key of builders.input_gradient.FORMULATIONS.
+    input_gradient: str = "transpose_conv"
 
 
 current = Options()

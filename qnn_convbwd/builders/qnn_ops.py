@@ -68,3 +68,13 @@ def native_tensor(visitor, name: str, shape: Sequence[int], dtype: torch.dtype, 
         is_fake_tensor=True,
         nodes_to_wrappers=nodes_to_wrappers,
     )
+
+
+def zero_pad_end(name: str, source, result, trailing: Sequence[int]):
+    """Pad op appending ``trailing[i]`` zeros after spatial dim i of an NHWC tensor."""
+    names = integration.get("OpPad")
+    pad = new_op(name, names.op_name, [source], [result])
+    uint32_scalar(pad, names.param_scheme, names.Scheme.CONSTANT)
+    float_scalar(pad, names.param_pad_constant_value, 0.0)
+    uint32_param(pad, names.param_pad_amount, [[0, 0], *([0, t] for t in trailing), [0, 0]])
+    return pad

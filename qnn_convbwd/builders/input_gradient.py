@@ -1,0 +1,68 @@
+"""Formulations of grad_input on QNN, selected by ``Options.input_gradient``.
+
+Each formulation builds the ops that turn grad_output into grad_input for one
+convolution_backward node and returns them in execution order. They share the
+signature of ``transpose_conv`` below; register new ones in FORMULATIONS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from .. import integration
+from . import conv_geometry as geo
+from . import qnn_ops, weights
+
+
+@dataclasses.dataclass
+class GradInputRequest:
+    """What a formulation gets: the node, its parsed arguments and the I/O wrappers."""
+
+    visitor: object  # the NodeVisitor building this node
+    node: torch.fx.Node
+    conv: geo.ConvBackward
+    grad_output: object  # wrapper, NHWC
+    grad_input: object  # wrapper, NHWC
+    grad_input_value: torch.Tensor  # NHWC value (shape/dtype of grad_input)
+    nodes_to_wrappers: dict
+    fold_output_padding: bool  # express output_padding without the parameter
+
+
+def transpose_conv(req: GradInputRequest) -> list:
+    """Transpose(static HWIO weight) -> HWOI, then TransposeConv2d [-> zero Pad]."""
+    visitor, node = req.visitor, req.node
+    weight = weights.weight_for_input_gradient(
+        visitor, visitor.get_node(node.args[geo.WEIGHT]), node, req.nodes_to_wrappers
+    )
+    plan = geo.plan_input_gradient(req.conv, fold_output_padding=req.fold_output_padding)
+    ops = [] if weight.transpose is None else [weight.transpose]
+    tconv_out = req.grad_input
+    if any(plan.trailing_pad):
+        shape = list(req.grad_input_value.shape)
+        for dim, extra in enumerate(plan.trailing_pad):
+            shape[1 + dim] -= extra  # NHWC: spatial dims start at 1
+        tconv_out = qnn_ops.native_tensor(
+            visitor, f"{node.name}_tconv", shape, req.grad_input_value.dtype, req.nodes_to_wrappers
+        )
+
+    names = integration.get("OpTransposeConv2d")
+    tconv = qnn_ops.new_op(node.name, names.op_name, [req.grad_output, weight.hwoi], [tconv_out])
+    qnn_ops.uint32_param(tconv, names.param_stride, plan.stride)
+    qnn_ops.uint32_param(tconv, names.param_pad_amount, plan.pad_amount)
+    qnn_ops.uint32_param(tconv, names.param_output_padding, plan.output_padding)
+    qnn_ops.uint32_scalar(tconv, names.param_group, plan.groups)
+    ops.append(tconv)
+
+    if tconv_out is not req.grad_input:
+        ops.append(
+            qnn_ops.zero_pad_end(f"{node.name}_pad", tconv_out, req.grad_input, plan.trailing_pad)
+        )
+    return ops
+
+
+FORMULATIONS: dict[str, Callable[[GradInputRequest], list]] = {
+    "transpose_conv": transpose_conv,
+}

@@ -1,0 +1,150 @@
+"""Reference training graphs built in code (random weights, no downloads).
+
+Each model is a frozen (or trainable) convolution stack behind a trainable 1x1
+adapter, trained with an MSE loss. ``training_graph`` exports it with
+``torch.export.experimental._export_forward_backward`` and computes the eager
+reference (loss and gradients) with torch autograd.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+
+class BasicBlock(nn.Module):
+    """ResNet basic block; ``stride`` 2 adds a 1x1 downsample on the shortcut."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride=stride, padding=1)
+        self.conv2 = nn.Conv2d(cout, cout, 3, padding=1)
+        self.down = nn.Conv2d(cin, cout, 1, stride=stride) if stride != 1 or cin != cout else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = x if self.down is None else self.down(x)
+        return torch.relu(self.conv2(torch.relu(self.conv1(x))) + shortcut)
+
+
+class InvertedResidual(nn.Module):
+    """MobileNetV2 block: 1x1 expand, 3x3 depthwise (stride), 1x1 project."""
+
+    def __init__(self, cin: int, cout: int, stride: int = 1, expand: int = 4) -> None:
+        super().__init__()
+        hidden = cin * expand
+        self.expand = nn.Conv2d(cin, hidden, 1)
+        self.depthwise = nn.Conv2d(hidden, hidden, 3, stride=stride, padding=1, groups=hidden)
+        self.project = nn.Conv2d(hidden, cout, 1)
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(torch.relu(self.depthwise(torch.relu(self.expand(x)))))
+        return x + y if self.residual else y
+
+
+class AdapterNet(nn.Module):
+    """Trainable 1x1 adapter in front of a backbone; MSE loss against a target."""
+
+    def __init__(self, channels: int, backbone: nn.Module, trainable_backbone: bool) -> None:
+        super().__init__()
+        self.adapter = nn.Conv2d(channels, channels, 1)
+        self.backbone = backbone
+        self.backbone.requires_grad_(trainable_backbone)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.backbone(self.adapter(x)), target)
+
+
+def resnet_like(channels: int = 8, depth: int = 1) -> nn.Module:
+    """``depth`` stages of (stride-2 block, stride-1 block)."""
+    layers: list[nn.Module] = []
+    c = channels
+    for _ in range(depth):
+        layers += [BasicBlock(c, 2 * c, stride=2), BasicBlock(2 * c, 2 * c)]
+        c *= 2
+    return nn.Sequential(*layers)
+
+
+def mobilenet_like(channels: int = 8, depth: int = 1) -> nn.Module:
+    layers: list[nn.Module] = []
+    c = channels
+    for _ in range(depth):
+        layers += [InvertedResidual(c, 2 * c, stride=2), InvertedResidual(2 * c, 2 * c)]
+        c *= 2
+    return nn.Sequential(*layers)
+
+
+def demo_backbone(channels: int = 8) -> nn.Module:
+    """What ``qnn-convbwd demo`` trains through: plain, strided (odd size) and depthwise convs."""
+    return nn.Sequential(
+        nn.Conv2d(channels, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1, groups=16),
+        nn.ReLU(),
+        nn.Conv2d(16, 8, 1),
+    )
+
+
+BACKBONES: dict[str, Callable[..., nn.Module]] = {
+    "demo": demo_backbone,
+    "resnet": resnet_like,
+    "mobilenet": mobilenet_like,
+    "basic_block": lambda channels=8: BasicBlock(channels, channels),
+    "stride2_block": lambda channels=8: BasicBlock(channels, 2 * channels, stride=2),
+}
+
+
+@dataclasses.dataclass
+class TrainingGraph:
+    name: str
+    model: AdapterNet
+    inputs: tuple[torch.Tensor, torch.Tensor]
+    program: torch.export.ExportedProgram  # joint forward-backward graph
+
+    def reference(self) -> list[torch.Tensor]:
+        """Loss and gradients from eager autograd, in the program's output order."""
+        model = self.model
+        model.zero_grad(set_to_none=True)
+        loss = model(*self.inputs)
+        loss.backward()
+        params = dict(model.named_parameters())
+        out = []
+        for spec in self.program.graph_signature.output_specs:
+            kind = spec.kind.name
+            if kind == "LOSS_OUTPUT":
+                out.append(loss.detach())
+            elif kind == "GRADIENT_TO_PARAMETER":
+                out.append(params[spec.target].grad.detach().clone())
+            else:
+                raise ValueError(f"unexpected output kind {kind} in {self.name}")
+        return out
+
+
+def training_graph(
+    backbone: str = "demo",
+    size: int = 15,
+    batch: int = 1,
+    channels: int = 8,
+    trainable_backbone: bool = False,
+    seed: int = 0,
+    **backbone_args,
+) -> TrainingGraph:
+    """Build, export and differentiate one reference model."""
+    from torch.export.experimental import _export_forward_backward
+
+    torch.manual_seed(seed)
+    model = AdapterNet(
+        channels, BACKBONES[backbone](channels=channels, **backbone_args), trainable_backbone
+    )
+    x = torch.randn(batch, channels, size, size)
+    with torch.no_grad():
+        target = torch.randn_like(model.backbone(model.adapter(x)))
+    program = torch.export.export(model, (x, target), strict=True)
+    joint = _export_forward_backward(program)
+    name = f"{backbone}-{size}px-{'trainable' if trainable_backbone else 'frozen'}"
+    return TrainingGraph(name, model, (x, target), joint)

@@ -9,7 +9,10 @@ import sys
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
-    "doctor": ("qnn_convbwd.toolchain.doctor", "report the QNN SDK, the shim and which backends work"),
+    "doctor": (
+        "qnn_convbwd.toolchain.doctor",
+        "report the QNN SDK, the shim and which backends work",
+    ),
     "demo": ("qnn_convbwd.demo", "lower and run a frozen-backbone training graph"),
     "bench": ("qnn_convbwd.bench", "benchmark training graphs with and without the plugin"),
 }

@@ -7,10 +7,10 @@ import dataclasses
 
 @dataclasses.dataclass
 class Options:
-    # Express output_padding of depthwise TransposeConv2d through the end padding
-    # (plus a zero Pad) instead of the output_padding parameter, which the HTP
-    # simulator computes wrongly for depthwise convolutions (QAIRT 2.51).
-    fold_depthwise_output_padding: bool = True
+    # How TransposeConv2d's output padding is expressed: "auto", "parameter" or
+    # "fold" (see builders.conv_geometry.plan_input_gradient). "auto" avoids the
+    # parameter where the HTP computes it wrongly (depthwise; beyond full extent).
+    output_padding: str = "auto"
     # How grad_input is built: a key of builders.input_gradient.FORMULATIONS.
     input_gradient: str = "transpose_conv"
 

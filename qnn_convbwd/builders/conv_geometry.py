@@ -171,38 +171,74 @@ def parse(node: torch.fx.Node) -> ConvBackward:
 
 @dataclasses.dataclass(frozen=True)
 class TransposedConvPlan:
-    """Parameters of the QNN TransposeConv2d (plus an optional trailing Pad)."""
+    """Parameters of the QNN TransposeConv2d, plus zeros appended to grad_output."""
 
     stride: tuple[int, ...]
-    pad_amount: tuple[tuple[int, int], ...]  # per spatial dim: (begin, end)
+    pad_amount: tuple[tuple[int, int], ...]  # per spatial dim: (begin, end) cropped
     output_padding: tuple[int, ...]
-    trailing_pad: tuple[int, ...]  # zeros appended at the end of each spatial dim
+    grad_output_pad_end: tuple[int, ...]  # zero rows/cols appended to grad_output
     groups: int
 
+    @property
+    def uses_output_padding(self) -> bool:
+        return any(self.output_padding)
 
-def plan_input_gradient(conv: ConvBackward, fold_output_padding: bool) -> TransposedConvPlan:
-    """Transposed-convolution parameters that compute grad_input.
 
-    With ``fold_output_padding`` the output padding is expressed without the
-    ``output_padding`` parameter: cropping ``op`` fewer elements at the end is the
-    same as growing the output by ``op``, and where the end padding is smaller
-    than ``op`` the remaining elements lie beyond the kernel's reach and are zero,
-    so a trailing zero Pad supplies them. Used for depthwise convolutions, where
-    the HTP simulator computes TransposeConv2d with output_padding > 0 wrongly.
+# How the output padding is expressed (Options.output_padding):
+#   "auto"      the TransposeConv2d parameter where the HTP computes it right, else "fold";
+#   "parameter" always the parameter (reproduces the HTP defects; for tests);
+#   "fold"      never the parameter.
+OUTPUT_PADDING_MODES = ("auto", "parameter", "fold")
+
+
+def parameter_is_reliable(conv: ConvBackward) -> bool:
+    """Whether the HTP computes TransposeConv2d's output_padding right for this conv.
+
+    Measured on the QAIRT 2.51 x86-64 simulator: wrong for depthwise convolutions
+    with output_padding > 0, and wrong (garbage, or a failed compile) whenever the
+    output padding reaches beyond the transposed convolution's full extent
+    (output_padding > padding), for any groups.
     """
     op = conv.transposed_output_padding()
-    if not fold_output_padding:
+    if not any(op):
+        return True
+    return not conv.is_depthwise and all(o <= p for o, p in zip(op, conv.padding))
+
+
+def plan_input_gradient(conv: ConvBackward, mode: str = "auto") -> TransposedConvPlan:
+    """Transposed-convolution parameters that compute grad_input.
+
+    A transposed convolution first produces its full extent ``(o - 1) s + k``
+    (dilation 1) and then crops ``pad_amount`` at both ends; the output padding
+    ``op`` crops ``op`` fewer elements at the end. "fold" expresses that without
+    the parameter: where ``op <= p`` the end crop is simply ``p - op``; where
+    ``op > p`` the missing elements lie beyond the full extent and are zero, so
+    one zero row is appended to grad_output (which extends the full extent by
+    ``s``) and the end crop becomes ``s + p - op``.
+    """
+    if mode not in OUTPUT_PADDING_MODES:
+        raise ValueError(f"output_padding mode {mode!r} is not one of {OUTPUT_PADDING_MODES}")
+    op = conv.transposed_output_padding()
+    if mode == "parameter" or (mode == "auto" and parameter_is_reliable(conv)):
         return TransposedConvPlan(
             stride=conv.stride,
             pad_amount=tuple((p, p) for p in conv.padding),
             output_padding=op,
-            trailing_pad=(0,) * conv.spatial_dims,
+            grad_output_pad_end=(0,) * conv.spatial_dims,
             groups=conv.groups,
         )
+    pad_amount, extend = [], []
+    for p, o, s in zip(conv.padding, op, conv.stride):
+        if o <= p:
+            pad_amount.append((p, p - o))
+            extend.append(0)
+        else:
+            pad_amount.append((p, s + p - o))
+            extend.append(1)
     return TransposedConvPlan(
         stride=conv.stride,
-        pad_amount=tuple((p, max(p - o, 0)) for p, o in zip(conv.padding, op)),
+        pad_amount=tuple(pad_amount),
         output_padding=(0,) * conv.spatial_dims,
-        trailing_pad=tuple(max(o - p, 0) for p, o in zip(conv.padding, op)),
+        grad_output_pad_end=tuple(extend),
         groups=conv.groups,
     )

@@ -28,38 +28,44 @@ class GradInputRequest:
     grad_input: object  # wrapper, NHWC
     grad_input_value: torch.Tensor  # NHWC value (shape/dtype of grad_input)
     nodes_to_wrappers: dict
-    fold_output_padding: bool  # express output_padding without the parameter
+    output_padding: str  # Options.output_padding
 
 
 def transpose_conv(req: GradInputRequest) -> list:
-    """Transpose(static HWIO weight) -> HWOI, then TransposeConv2d [-> zero Pad]."""
+    """Transpose(static HWIO weight) -> HWOI; [zero Pad of grad_output ->] TransposeConv2d."""
     visitor, node = req.visitor, req.node
     weight = weights.weight_for_input_gradient(
         visitor, visitor.get_node(node.args[geo.WEIGHT]), node, req.nodes_to_wrappers
     )
-    plan = geo.plan_input_gradient(req.conv, fold_output_padding=req.fold_output_padding)
+    plan = geo.plan_input_gradient(req.conv, req.output_padding)
     ops = [] if weight.transpose is None else [weight.transpose]
-    tconv_out = req.grad_input
-    if any(plan.trailing_pad):
-        shape = list(req.grad_input_value.shape)
-        for dim, extra in enumerate(plan.trailing_pad):
-            shape[1 + dim] -= extra  # NHWC: spatial dims start at 1
-        tconv_out = qnn_ops.native_tensor(
-            visitor, f"{node.name}_tconv", shape, req.grad_input_value.dtype, req.nodes_to_wrappers
+    source = req.grad_output
+    if any(plan.grad_output_pad_end):
+        shape = list(
+            req.visitor.get_tensor(visitor.get_node(node.args[geo.GRAD_OUTPUT]), node).shape
+        )
+        for dim, extra in enumerate(plan.grad_output_pad_end):
+            shape[1 + dim] += extra  # NHWC: spatial dims start at 1
+        source = qnn_ops.native_tensor(
+            visitor,
+            f"{node.name}_grad_output_padded",
+            shape,
+            req.grad_input_value.dtype,
+            req.nodes_to_wrappers,
+        )
+        ops.append(
+            qnn_ops.zero_pad_end(
+                f"{node.name}_pad", req.grad_output, source, plan.grad_output_pad_end
+            )
         )
 
     names = integration.get("OpTransposeConv2d")
-    tconv = qnn_ops.new_op(node.name, names.op_name, [req.grad_output, weight.hwoi], [tconv_out])
+    tconv = qnn_ops.new_op(node.name, names.op_name, [source, weight.hwoi], [req.grad_input])
     qnn_ops.uint32_param(tconv, names.param_stride, plan.stride)
     qnn_ops.uint32_param(tconv, names.param_pad_amount, plan.pad_amount)
     qnn_ops.uint32_param(tconv, names.param_output_padding, plan.output_padding)
     qnn_ops.uint32_scalar(tconv, names.param_group, plan.groups)
     ops.append(tconv)
-
-    if tconv_out is not req.grad_input:
-        ops.append(
-            qnn_ops.zero_pad_end(f"{node.name}_pad", tconv_out, req.grad_input, plan.trailing_pad)
-        )
     return ops
 
 

@@ -56,6 +56,6 @@ class ConvolutionBackwardVisitor(NodeVisitor):
             grad_input=grad_input,
             grad_input_value=grad_input_value,
             nodes_to_wrappers=nodes_to_wrappers,
-            fold_output_padding=conv.is_depthwise and options.current.fold_depthwise_output_padding,
+            output_padding=options.current.output_padding,
         )
         return FORMULATIONS[options.current.input_gradient](request)

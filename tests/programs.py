@@ -1,0 +1,144 @@
+"""Programs made of explicit ``aten.convolution_backward`` calls, for tests.
+
+``ConvBackwardBank`` holds one frozen weight per configuration and computes
+every configuration's grad_input in one forward, so many configurations
+compile into one QNN program (one compile per SoC instead of one per config).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+from torch import nn
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    batch: int
+    cin: int
+    cout: int
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    groups: int
+    size: tuple[int, int]  # spatial size of the forward input
+
+    @property
+    def output_size(self) -> tuple[int, ...]:
+        return tuple(
+            (i + 2 * p - k) // s + 1
+            for i, k, s, p in zip(self.size, self.kernel, self.stride, self.padding, strict=True)
+        )
+
+    def valid(self) -> bool:
+        return (
+            self.cin % self.groups == 0
+            and self.cout % self.groups == 0
+            and all(o >= 1 for o in self.output_size)
+        )
+
+    def __str__(self) -> str:
+        return (
+            f"n{self.batch}_c{self.cin}x{self.cout}_k{self.kernel[0]}x{self.kernel[1]}"
+            f"_s{self.stride[0]}x{self.stride[1]}_p{self.padding[0]}x{self.padding[1]}"
+            f"_g{self.groups}_{self.size[0]}x{self.size[1]}"
+        )
+
+
+def generate_configs(count: int, seed: int = 0) -> list[Config]:
+    """Deterministic spread: stride 1-3, padding 0-2, kernels 1-5 incl. 3x1 and 1x1,
+    groups 1 / 2 / depthwise, odd and even sizes, batch 1 and 2."""
+    rng = random.Random(seed)
+    kernels = [(1, 1), (3, 1), (1, 3), (2, 2), (3, 3), (4, 4), (5, 5), (5, 3)]
+    configs: list[Config] = []
+    while len(configs) < count:
+        kind = len(configs) % 3  # rotate groups: 1, 2, depthwise
+        cin = rng.choice([4, 8, 16])
+        if kind == 0:
+            groups, cout = 1, rng.choice([4, 8, 16])
+        elif kind == 1:
+            groups, cout = 2, rng.choice([4, 8, 16])
+        else:
+            groups, cout = cin, cin * rng.choice([1, 2])
+        kernel = kernels[len(configs) % len(kernels)]
+        stride = (rng.randint(1, 3), rng.randint(1, 3))
+        padding = tuple(rng.randint(0, min(2, k - 1 if k > 1 else 0)) for k in kernel)
+        size = (rng.randint(5, 16), rng.randint(5, 16))
+        config = Config(rng.choice([1, 2]), cin, cout, kernel, stride, padding, groups, size)
+        if config.valid():
+            configs.append(config)
+    return configs
+
+
+class ConvBackwardBank(nn.Module):
+    """forward(*grad_outputs) -> every config's grad_input (output_mask [T, F, F])."""
+
+    def __init__(self, configs: list[Config], seed: int = 0) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.configs = configs
+        self.weights = nn.ParameterList(
+            nn.Parameter(
+                torch.randn(c.cout, c.cin // c.groups, *c.kernel, generator=gen)
+                / (c.kernel[0] * c.kernel[1] * c.cin // c.groups) ** 0.5,
+                requires_grad=False,
+            )
+            for c in configs
+        )
+        for i, c in enumerate(configs):
+            self.register_buffer(f"input_{i}", torch.zeros(c.batch, c.cin, *c.size))
+
+    def forward(self, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        results = []
+        for i, (c, g) in enumerate(zip(self.configs, grad_outputs, strict=True)):
+            grad_input, _, _ = torch.ops.aten.convolution_backward.default(
+                g,
+                getattr(self, f"input_{i}"),
+                self.weights[i],
+                None,
+                list(c.stride),
+                list(c.padding),
+                [1, 1],
+                False,
+                [0, 0],
+                c.groups,
+                [True, False, False],
+            )
+            results.append(grad_input)
+        return tuple(results)
+
+    def example_inputs(self, seed: int = 1) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator().manual_seed(seed)
+        return tuple(
+            torch.randn(c.batch, c.cout, *c.output_size, generator=gen) for c in self.configs
+        )
+
+    def export(self) -> torch.export.ExportedProgram:
+        return torch.export.export(self, self.example_inputs(), strict=True)
+
+
+def fp16_error_bound(
+    config: Config, weight: torch.Tensor, grad_output: torch.Tensor
+) -> torch.Tensor:
+    """Element-wise scale for fp16 error: the transposed convolution of |g| with |w|.
+
+    Rounding both operands to fp16 perturbs every product by at most ~2u
+    (u = 2^-11), so |error_i| <= c * u * sum_j |g_j| |w_ij| for a small c when the
+    sums are accumulated in higher precision. Tests compare against c * u * this.
+    """
+    grad_input, _, _ = torch.ops.aten.convolution_backward.default(
+        grad_output.abs(),
+        torch.zeros(config.batch, config.cin, *config.size),
+        weight.abs(),
+        None,
+        list(config.stride),
+        list(config.padding),
+        [1, 1],
+        False,
+        [0, 0],
+        config.groups,
+        [True, False, False],
+    )
+    return grad_input

@@ -4,9 +4,14 @@ Order of preference:
 
 1. ``QNN_SDK_ROOT`` set by the user: used as is; the environment is not touched.
 2. Otherwise a root assembled from the ``onnxruntime-qnn`` wheel (QAIRT x86-64
-   libraries) in a user cache directory: ``<cache>/<key>/lib/x86_64-linux-clang``
+   libraries) in a user cache directory: ``<cache>/sdk-<key>/lib/x86_64-linux-clang``
    holds links to the wheel's libraries, and its ``libQnnHtp.so`` is the
-   compatibility shim (``htp_shim.c``) when the libraries need it.
+   compatibility shim (``htp_shim.c``) when the libraries need it. ``<key>``
+   fingerprints the wheel's libraries and the shim source, so a changed shim
+   source is rebuilt into a new root. ``ensure_sdk`` exports ``QNN_SDK_ROOT``
+   for executorch; a child process that inherits it recognises the root by
+   its marker file (``MARKER``) and takes this path again rather than treating
+   the root as a user's SDK.
 
 The shim exists because executorch 1.5.1 writes the HTP device custom config in
 the layout of the QNN headers it was built with; QAIRT 2.47 and newer moved the
@@ -48,6 +53,8 @@ SHIM_FROM_VERSION = (2, 47)
 # Libraries executorch opens by bare name; loaded here by absolute path.
 PRELOAD_LIBS = ("libQnnHtp.so", "libQnnSystem.so", "libQnnSaver.so")
 WHEEL_PACKAGE = "onnxruntime_qnn"
+# Written into every root assembled here; names the wheel directory it links to.
+MARKER = "qnn_convbwd_sdk.txt"
 
 
 class SdkUnavailable(RuntimeError):
@@ -212,6 +219,9 @@ def _assemble_from_wheel(build_id: str, wants_shim: bool) -> tuple[Path, Path | 
     libs = wheel.parent / f"{WHEEL_PACKAGE}.libs"
     if libs.is_dir():
         _link(libs, root / "lib" / libs.name)
+    marker = root / MARKER
+    if not marker.exists():
+        marker.write_text(f"assembled by qnn_convbwd from {wheel}\n")
     shim, seconds = None, None
     if wants_shim:
         shim = lib_dir / "libQnnHtp.so"
@@ -231,6 +241,11 @@ def _shim_for_user_sdk(real_htp: Path) -> tuple[Path, float | None]:
     shim = cache_dir() / f"shim-{key}" / "libQnnHtp.so"
     seconds = None if shim.exists() else build_shim(real_htp, shim)
     return shim, seconds
+
+
+def is_assembled_root(root: Path) -> bool:
+    """True when ``root`` was assembled by this module (it carries ``MARKER``)."""
+    return (root / MARKER).is_file()
 
 
 def _import_torch_and_adaptor() -> None:
@@ -259,6 +274,9 @@ def ensure_sdk() -> SdkInfo:
             return _active
         _import_torch_and_adaptor()
         user_root = os.environ.get("QNN_SDK_ROOT")
+        if user_root and is_assembled_root(Path(user_root)):
+            # Inherited from a parent that ran ensure_sdk(): assemble (or reuse) again.
+            user_root = None
         if user_root:
             root = Path(user_root)
             real_htp = root / HOST_LIB_DIR / "libQnnHtp.so"
@@ -311,3 +329,23 @@ def probe_in_subprocess(code: str, timeout: float = 600.0) -> subprocess.Complet
             timeout=timeout,
             cwd=cwd,
         )
+
+
+def describe(info: SdkInfo) -> str:
+    """One line per fact about ``info`` (used by ``qnn-convbwd doctor``)."""
+    if info.shim is None:
+        shim = f"not used ({info.shim_reason})"
+    else:
+        how = (
+            "cached"
+            if info.shim_build_seconds is None
+            else f"built in {info.shim_build_seconds:.2f} s"
+        )
+        shim = f"{info.shim} ({how}; {info.shim_reason})"
+    return "\n".join(
+        [
+            f"QNN SDK root: {info.root} (from {info.source})",
+            f"QAIRT build id: {info.build_id} (read from {info.real_htp})",
+            f"HTP shim: {shim}",
+        ]
+    )

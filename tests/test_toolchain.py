@@ -1,0 +1,209 @@
+"""The real QNN toolchain: HTP compile and x86-64 simulator runs per SoC, and the SDK/shim cache.
+
+Precision. ``compile_specs(fp16=True)`` asks HTP for fp16 precision; the
+results are compared with torch (fp32) within ``FP16_RELATIVE_TOLERANCE`` of
+the output's scale (see ``qnn_convbwd.toolchain.doctor`` for why that bound).
+``fp16=False`` does not mean fp32 in executorch 1.5.1: it selects the
+*quantized* HTP precision and only drops the fp16 precision graph config. With
+float inputs and no quantization the graph still compiles, and HTP runs it in
+fp16 all the same: the outputs are bitwise equal to the fp16 ones
+(``test_fp16_false_is_not_fp32``). HTP offers no fp32 compute path here, so
+there are no fp32 tests. On SM8350 (V68) the simulator's float results match
+torch to ~1e-7 with either setting; from V69 on they are fp16-accurate (~4e-4
+relative). The tolerance covers both.
+
+Cost: every lowering takes 3-7 s on one core, so the small CNN runs on all six
+SoCs and the single-op models on three architectures (oldest, middle, newest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from qnn_convbwd.toolchain import harness, sdk
+from qnn_convbwd.toolchain.doctor import FP16_RELATIVE_TOLERANCE
+
+SOME_SOCS = ["SM8350", "SM8650", "SM8850"]  # V68, V75, V81
+
+
+def small_cnn() -> nn.Module:
+    """conv / relu / stride-2 conv on an odd size / depthwise conv / 1x1 conv."""
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1, groups=16),
+        nn.ReLU(),
+        nn.Conv2d(16, 8, 1),
+    )
+
+
+MODELS = {
+    "conv2d": (lambda: nn.Conv2d(8, 16, 3, padding=1), (1, 8, 16, 16)),
+    "conv_transpose2d": (
+        lambda: nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1),
+        (1, 8, 8, 8),
+    ),
+    "small_cnn": (small_cnn, (1, 3, 17, 17)),
+}
+
+
+def _compile_and_run(name: str, soc: str, fp16: bool = True):
+    factory, shape = MODELS[name]
+    torch.manual_seed(0)
+    model = factory().eval()
+    x = torch.randn(*shape)
+    compiled = harness.lower_module(model, (x,), soc, fp16=fp16)
+    assert harness.delegate_count(compiled.edge) == 1  # the whole model went to QNN
+    out = compiled.run([x])[0]
+    return compiled, out, model(x).detach()
+
+
+def _check_close(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape
+    scale = float(ref.abs().max())
+    error = float((out - ref).abs().max())
+    assert error <= FP16_RELATIVE_TOLERANCE * scale, (error, scale)
+    return error
+
+
+@pytest.mark.htp
+@pytest.mark.parametrize("soc", list(harness.SOC_ARCH))
+def test_small_cnn_on_every_soc(qnn_sdk, soc, record_property):
+    compiled, out, ref = _compile_and_run("small_cnn", soc)
+    error = _check_close(out, ref)
+    assert compiled.context_binary_bytes > 0
+    record_property("compile_seconds", round(compiled.lower_seconds, 2))
+    record_property("context_bytes", compiled.context_binary_bytes)
+    record_property("max_abs_error", error)
+
+
+@pytest.mark.htp
+@pytest.mark.parametrize("soc", SOME_SOCS)
+@pytest.mark.parametrize("name", ["conv2d", "conv_transpose2d"])
+def test_single_op_models(qnn_sdk, name, soc, record_property):
+    compiled, out, ref = _compile_and_run(name, soc)
+    record_property("max_abs_error", _check_close(out, ref))
+    record_property("compile_seconds", round(compiled.lower_seconds, 2))
+
+
+@pytest.mark.htp
+def test_fp16_false_is_not_fp32(qnn_sdk):
+    # On V75: fp16=False (executorch's "quantized" precision) on a float graph
+    # gives exactly the fp16 result, visibly less accurate than fp32 would be.
+    _, out16, ref = _compile_and_run("conv2d", "SM8650", fp16=True)
+    _, out_q, _ = _compile_and_run("conv2d", "SM8650", fp16=False)
+    assert torch.equal(out16, out_q)
+    assert float((out_q - ref).abs().max()) > 1e-5 * float(ref.abs().max())
+
+
+# --- SDK assembly and the shim cache ----------------------------------------------------------
+
+_REPORT = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+    import qnn_convbwd.toolchain.sdk as s
+    if len(sys.argv) > 1:
+        s.SHIM_SOURCE = Path(sys.argv[1])
+    info = s.ensure_sdk()
+    print("REPORT " + json.dumps({
+        "root": str(info.root), "source": info.source, "shim": str(info.shim),
+        "seconds": info.shim_build_seconds, "env_root": os.environ.get("QNN_SDK_ROOT"),
+        "ld_path": os.environ.get("LD_LIBRARY_PATH", ""),
+    }))
+    """
+)
+
+
+def _ensure_in_child(env: dict, *args: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _REPORT, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT "))
+    return json.loads(line[len("REPORT ") :])
+
+
+def _clean_env(cache: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("QNN_SDK_ROOT", "LD_LIBRARY_PATH")}
+    env["QNN_CONVBWD_CACHE"] = str(cache)
+    env.pop("QNN_CONVBWD_SHIM", None)
+    return env
+
+
+@pytest.mark.htp
+def test_shim_built_once_then_cached_and_rebuilt_on_source_change(
+    qnn_sdk, tmp_path, record_property
+):
+    if qnn_sdk.shim is None:
+        pytest.skip(f"this QAIRT needs no shim: {qnn_sdk.shim_reason}")
+    env = _clean_env(tmp_path / "cache")
+    first = _ensure_in_child(env)
+    assert first["source"] == "onnxruntime-qnn wheel"
+    assert first["seconds"] is not None  # built
+    assert Path(first["shim"]).is_file() and Path(first["root"]).parent == tmp_path / "cache"
+    second = _ensure_in_child(env)
+    assert second["seconds"] is None  # cached
+    assert (second["root"], second["shim"]) == (first["root"], first["shim"])
+
+    changed = tmp_path / "htp_shim.c"
+    changed.write_text(sdk.SHIM_SOURCE.read_text() + "\n/* changed */\n")
+    third = _ensure_in_child(env, str(changed))
+    assert third["seconds"] is not None  # rebuilt ...
+    assert third["root"] != first["root"]  # ... under a new fingerprint
+    record_property("shim_build_seconds", [first["seconds"], third["seconds"]])
+
+
+@pytest.mark.htp
+def test_child_inherits_the_assembled_root(qnn_sdk):
+    # ensure_sdk() exports QNN_SDK_ROOT for executorch; a child seeing it must
+    # recognise the assembled root, not take it for a user's SDK.
+    if qnn_sdk.source != "onnxruntime-qnn wheel":
+        pytest.skip(f"the SDK here comes from {qnn_sdk.source}, not an assembled root")
+    child = _ensure_in_child(dict(os.environ))
+    assert child["source"] == "onnxruntime-qnn wheel"
+    assert child["root"] == str(qnn_sdk.root)
+    assert child["seconds"] is None
+
+
+@pytest.mark.htp
+def test_user_sdk_root_is_left_untouched(qnn_sdk, tmp_path):
+    # A user SDK laid out like QAIRT's: lib/x86_64-linux-clang with the real libraries.
+    user_root = tmp_path / "qairt"
+    lib_dir = user_root / sdk.HOST_LIB_DIR
+    lib_dir.mkdir(parents=True)
+    for lib in qnn_sdk.real_htp.parent.glob("*.so"):
+        (lib_dir / lib.name).symlink_to(lib)
+    libs = qnn_sdk.real_htp.parent.parent / f"{sdk.WHEEL_PACKAGE}.libs"
+    if libs.is_dir():  # the wheel's C++ runtime, found through $ORIGIN/../
+        (user_root / "lib" / libs.name).symlink_to(libs)
+    before = sorted(str(p.relative_to(user_root)) for p in user_root.rglob("*"))
+
+    env = _clean_env(tmp_path / "cache")
+    env["QNN_SDK_ROOT"] = str(user_root)
+    child = _ensure_in_child(env)
+    assert child["source"] == "QNN_SDK_ROOT"
+    assert child["root"] == str(user_root)
+    assert child["env_root"] == str(user_root)
+    assert str(user_root) not in child["ld_path"]
+    after = sorted(str(p.relative_to(user_root)) for p in user_root.rglob("*"))
+    assert after == before  # nothing written into the user's SDK
+    if qnn_sdk.shim is not None:  # the shim lives in our cache instead
+        assert Path(child["shim"]).is_relative_to(tmp_path / "cache")
+    shutil.rmtree(user_root)

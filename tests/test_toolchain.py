@@ -207,3 +207,35 @@ def test_user_sdk_root_is_left_untouched(qnn_sdk, tmp_path):
     if qnn_sdk.shim is not None:  # the shim lives in our cache instead
         assert Path(child["shim"]).is_relative_to(tmp_path / "cache")
     shutil.rmtree(user_root)
+
+
+# --- doctor -------------------------------------------------------------------------------------
+
+
+@pytest.mark.htp
+def test_doctor_names_the_device_config_failure_without_the_shim(qnn_sdk, tmp_path, monkeypatch):
+    # Without the shim, QAIRT >= 2.47 misreads executorch's device config: the
+    # doctor's HTP check must fail and show QNN's own reason (error 14001).
+    if qnn_sdk.shim is None:
+        pytest.skip(f"this QAIRT needs no shim: {qnn_sdk.shim_reason}")
+    from qnn_convbwd.toolchain import doctor
+
+    monkeypatch.setenv("QNN_CONVBWD_SHIM", "off")
+    monkeypatch.setenv("QNN_CONVBWD_CACHE", str(tmp_path / "cache"))
+    compiled, ran = doctor.check_htp("SM8650", timeout=300)
+    assert not compiled.ok and "14001" in compiled.detail, compiled.detail
+    assert not ran.ok and "compile failed" in ran.detail
+
+
+@pytest.mark.htp
+def test_doctor_json_on_clean_stdout(qnn_sdk):
+    proc = subprocess.run(
+        [sys.executable, "-m", "qnn_convbwd.toolchain.doctor", "--json", "--sdk-only"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)  # QNN's own prints went to stderr
+    assert report["ok"] is True
+    assert report["sdk"]["build_id_loaded"] == report["sdk"]["build_id_file"] == qnn_sdk.build_id

@@ -464,7 +464,7 @@ def record(
         work = Path(tmp)
         torch.export.save(program, work / _PROGRAM_FILE)
         (work / _NODES_FILE).write_text(json.dumps(_node_list(program.graph)))
-        cmd = [sys.executable, "-m", __name__, str(work), soc]
+        cmd = [sys.executable, "-m", "qnn_convbwd.toolchain.saver", str(work), soc]
         try:
             proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as err:

@@ -208,7 +208,9 @@ def _assemble_from_wheel(build_id: str, wants_shim: bool) -> tuple[Path, Path | 
     wheel = _wheel_lib_dir()
     real_htp = wheel / "libQnnHtp.so"
     key = _fingerprint(real_htp, wheel / "libQnnSystem.so")
-    root = cache_dir() / f"sdk-{key}"
+    # A root without the shim is a different root: switching QNN_CONVBWD_SHIM never
+    # rewrites a root that another process may be using.
+    root = cache_dir() / (f"sdk-{key}" if wants_shim else f"sdk-{key}-noshim")
     lib_dir = root / HOST_LIB_DIR
     lib_dir.mkdir(parents=True, exist_ok=True)
     for lib in wheel.glob("*.so"):
@@ -225,14 +227,11 @@ def _assemble_from_wheel(build_id: str, wants_shim: bool) -> tuple[Path, Path | 
     shim, seconds = None, None
     if wants_shim:
         shim = lib_dir / "libQnnHtp.so"
-        if shim.is_symlink():
+        if shim.is_symlink():  # left by an older version that toggled the shim in place
             shim.unlink()
         if not shim.exists():
             seconds = build_shim(real_htp, shim)
             logger.info("built HTP shim %s in %.2f s", shim, seconds)
-    elif (lib_dir / "libQnnHtp.so").exists() and not (lib_dir / "libQnnHtp.so").is_symlink():
-        (lib_dir / "libQnnHtp.so").unlink()
-        _link(real_htp, lib_dir / "libQnnHtp.so")
     return root, shim, seconds
 
 

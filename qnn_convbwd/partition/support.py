@@ -8,6 +8,11 @@ exactly one line::
 
 and the same text appears in ``qnn_convbwd.lower()``'s report. The visitor and
 the passes never re-decide support: they ask ``decide``.
+
+Rules about what the builders can lower (which gradients, how many spatial
+dims, dilation) read ``CAPABILITIES``, so widening the lowering is one entry
+there plus the builder code; the remaining rules state limits of the target,
+of the graph, or of TransposeConv that no capability lifts.
 """
 
 from __future__ import annotations
@@ -26,6 +31,25 @@ logger = logging.getLogger(__name__)
 
 MIN_HTP_ARCH = 69
 FLOAT_DTYPES = (torch.float32, torch.float16)
+
+# What the builders can lower. Widening the lowering (a new gradient, another
+# number of spatial dims, dilation) means adding its name here together with the
+# builder code that handles it; the rules below read this set when they run.
+CAPABILITIES: frozenset[str] = frozenset({"grad_input", "conv2d"})
+# Every name a rule understands, including those no builder handles yet.
+KNOWN_CAPABILITIES: frozenset[str] = frozenset(
+    {"grad_input", "grad_weight", "grad_bias", "conv1d", "conv2d", "conv3d", "dilation"}
+)
+# output_mask order: https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/native_functions.yaml
+GRADIENTS = ("grad_input", "grad_weight", "grad_bias")
+
+
+def spatial_capability(spatial_dims: int) -> str:
+    return f"conv{spatial_dims}d"
+
+
+def _missing(*needs: str) -> list[str]:
+    return sorted(n for n in needs if n not in CAPABILITIES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +115,14 @@ def htp_arch_supported(node, conv, target):
 
 
 @rule
-def only_input_gradient(node, conv, target):
-    if conv.output_mask != (True, False, False):
+def requested_gradients(node, conv, target):
+    asked = [g for g, m in zip(GRADIENTS, conv.output_mask) if m]
+    if not asked:
+        return _reject("output_mask asks for no gradient", f"output_mask={list(conv.output_mask)}")
+    missing = _missing(*asked)
+    if missing:
         return _reject(
-            "output_mask asks for more than grad_input",
+            f"output_mask asks for {', '.join(missing)}, which is not lowered",
             f"output_mask={list(conv.output_mask)}",
         )
     return None
@@ -107,10 +135,18 @@ def not_transposed(node, conv, target):
     return None
 
 
+def _lowered_dims() -> str:
+    dims = [d for d in range(1, 4) if spatial_capability(d) in CAPABILITIES]
+    return ", ".join(f"{d}-D" for d in dims) or "none"
+
+
 @rule
-def two_spatial_dims(node, conv, target):
-    if conv.rank != 4:
-        return _reject("only rank-4 (2-D) convolutions", f"rank={conv.rank}")
+def spatial_dims(node, conv, target):
+    if _missing(spatial_capability(conv.spatial_dims)):
+        return _reject(
+            f"{conv.spatial_dims}-D convolutions are not lowered",
+            f"rank={conv.rank}, lowered: {_lowered_dims()}",
+        )
     return None
 
 
@@ -122,9 +158,9 @@ def static_shapes(node, conv, target):
 
 
 @rule
-def no_dilation(node, conv, target):
-    if any(d != 1 for d in conv.dilation):
-        return _reject("dilation > 1", f"dilation={list(conv.dilation)}")
+def dilation(node, conv, target):
+    if any(d != 1 for d in conv.dilation) and _missing("dilation"):
+        return _reject("dilation > 1 is not lowered", f"dilation={list(conv.dilation)}")
     return None
 
 
@@ -133,6 +169,53 @@ def no_dilation(node, conv, target):
 
 def _weight_node(node: torch.fx.Node) -> torch.fx.Node:
     return node.args[geo.WEIGHT]
+
+
+def _is_dequantize(node: torch.fx.Node) -> bool:
+    target = getattr(node, "target", None)
+    name = getattr(target, "__name__", "") or str(target)
+    return node.op == "call_function" and "dequantize" in name
+
+
+def _quantized_by_metadata(node: torch.fx.Node) -> str | None:
+    """Which operand or output of ``node`` carries QCOM_QUANT_ATTRS, if any.
+
+    After executorch's AnnotateQuantAttrs and FoldQDQ the Q/DQ nodes of
+    activations are gone and their parameters live in ``meta[QCOM_QUANT_ATTRS]``
+    of the producer (and of the node whose output was quantized). A quantized
+    parameter keeps its dequantize (marked bypass); the attributes sit on the
+    parameter behind it.
+    """
+    key = integration.get("QCOM_QUANT_ATTRS")
+    weight = _weight_node(node)
+    candidates = [("grad_output", node.args[geo.GRAD_OUTPUT]), ("weight", weight)]
+    if _is_dequantize(weight) and isinstance(weight.args[0], torch.fx.Node):
+        candidates.append(("weight", weight.args[0]))
+    candidates.append(("output", node))
+    for role, operand in candidates:
+        if operand.meta.get(key):
+            return f"{role}={operand.name} has QCOM_QUANT_ATTRS ({key!r})"
+    return None
+
+
+@rule
+def not_quantized(node, conv, target):
+    # Before static_weight: a quantized weight reaches the node through a
+    # dequantize, which must be reported as quantization, not as a computed weight.
+    found = _quantized_by_metadata(node)
+    if found is None:
+        # Second line: a graph that has not been through FoldQDQ still has the
+        # dequantize producers.
+        for role, operand in (
+            ("grad_output", node.args[geo.GRAD_OUTPUT]),
+            ("weight", _weight_node(node)),
+        ):
+            if _is_dequantize(operand):
+                found = f"{role}={operand.name} is produced by a dequantize"
+                break
+    if found is not None:
+        return _reject("quantized operand or output", found)
+    return None
 
 
 @rule
@@ -152,31 +235,9 @@ def float_operands(node, conv, target):
     weight = integration.get("get_parameter")(_weight_node(node), target.edge_program)
     if weight.dtype not in FLOAT_DTYPES or conv.dtype not in FLOAT_DTYPES:
         return _reject(
-            "operands are not floating point",
+            "operand dtype is not float32 or float16",
             f"grad_output={conv.dtype}, weight={weight.dtype}",
         )
-    return None
-
-
-def _is_dequantize(node: torch.fx.Node) -> bool:
-    target = getattr(node, "target", None)
-    name = getattr(target, "__name__", "") or str(target)
-    return node.op == "call_function" and "dequantize" in name
-
-
-@rule
-def not_quantized(node, conv, target):
-    key = integration.get("QCOM_QUANT_ATTRS")
-    for role, operand in (
-        ("grad_output", node.args[geo.GRAD_OUTPUT]),
-        ("weight", _weight_node(node)),
-    ):
-        if operand.meta.get(key):
-            return _reject("quantized operand", f"{role}={operand.name} has {key}")
-        if _is_dequantize(operand):
-            return _reject("quantized operand", f"{role}={operand.name} is a dequantize")
-    if node.meta.get(key):
-        return _reject("quantized operand", f"node has {key}")
     return None
 
 
@@ -206,5 +267,9 @@ def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:
                 rejection = dataclasses.replace(found, rule=name)
                 break
     if rejection is not None and log:
-        logger.info(rejection.message(node.name))
+        # ``extra`` lets callers (and tests) tell which rule spoke without parsing text.
+        logger.info(
+            rejection.message(node.name),
+            extra={"convbwd_node": node.name, "convbwd_rule": rejection.rule},
+        )
     return Decision(node.name, conv, rejection)

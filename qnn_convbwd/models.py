@@ -90,7 +90,16 @@ def demo_backbone(channels: int = 8) -> nn.Module:
     )
 
 
+def linear_backbone(channels: int = 8) -> nn.Module:
+    """Convolutions only, no activation: its backward has no relu mask (le/where)."""
+    return nn.Sequential(
+        nn.Conv2d(channels, channels, 3, padding=1),
+        nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1),
+    )
+
+
 BACKBONES: dict[str, Callable[..., nn.Module]] = {
+    "linear": linear_backbone,
     "demo": demo_backbone,
     "resnet": resnet_like,
     "mobilenet": mobilenet_like,
@@ -108,21 +117,27 @@ class TrainingGraph:
 
     def reference(self) -> list[torch.Tensor]:
         """Loss and gradients from eager autograd, in the program's output order."""
-        model = self.model
-        model.zero_grad(set_to_none=True)
-        loss = model(*self.inputs)
-        loss.backward()
-        params = dict(model.named_parameters())
-        out = []
-        for spec in self.program.graph_signature.output_specs:
-            kind = spec.kind.name
-            if kind == "LOSS_OUTPUT":
-                out.append(loss.detach())
-            elif kind == "GRADIENT_TO_PARAMETER":
-                out.append(params[spec.target].grad.detach().clone())
-            else:
-                raise ValueError(f"unexpected output kind {kind} in {self.name}")
-        return out
+        return autograd_reference(self.model, self.inputs, self.program)
+
+
+def autograd_reference(
+    model: nn.Module, inputs: tuple, joint: torch.export.ExportedProgram
+) -> list[torch.Tensor]:
+    """What a joint forward-backward program should output, computed by eager autograd."""
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs)
+    loss.backward()
+    params = dict(model.named_parameters())
+    out = []
+    for spec in joint.graph_signature.output_specs:
+        kind = spec.kind.name
+        if kind == "LOSS_OUTPUT":
+            out.append(loss.detach())
+        elif kind == "GRADIENT_TO_PARAMETER":
+            out.append(params[spec.target].grad.detach().clone())
+        else:
+            raise ValueError(f"unexpected output kind {kind}")
+    return out
 
 
 def training_graph(

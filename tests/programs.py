@@ -142,3 +142,22 @@ def fp16_error_bound(
         [True, False, False],
     )
     return grad_input
+
+
+def conv_backward_of(config: Config):
+    """The parsed form of the config's convolution_backward node, without exporting."""
+    from qnn_convbwd.builders import conv_geometry as geo
+
+    return geo.ConvBackward(
+        grad_output_shape=(config.batch, config.cout, *config.output_size),
+        input_shape=(config.batch, config.cin, *config.size),
+        weight_shape=(config.cout, config.cin // config.groups, *config.kernel),
+        stride=config.stride,
+        padding=config.padding,
+        dilation=(1, 1),
+        transposed=False,
+        output_padding_arg=(0, 0),
+        groups=config.groups,
+        output_mask=(True, False, False),
+        dtype=torch.float32,
+    )

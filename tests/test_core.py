@@ -1,0 +1,431 @@
+"""Core lowering of convolution_backward's input gradient (issue 3).
+
+Numerical tolerance (fp16 HTP): rounding grad_output and the weight to fp16
+perturbs each product by at most ~2u (u = 2^-11) and the fp16 result adds u,
+so with wider accumulation |error_i| <= ~3u * sum_j |g_j||w_ij|. Tests allow
+4u times that element-wise scale (``programs.fp16_error_bound``); the worst
+measured ratio over the generated configurations was 2.34.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import pytest
+import torch
+from programs import (
+    Config,
+    ConvBackwardBank,
+    conv_backward_of,
+    fp16_error_bound,
+    generate_configs,
+)
+from torch import nn
+
+import qnn_convbwd
+from qnn_convbwd import models
+from qnn_convbwd.builders import conv_geometry as geo
+
+U_FP16 = 2.0**-11
+BOUND_FACTOR = 4.0
+
+
+# --- enable / disable ------------------------------------------------------------
+
+
+def _executorch_state():
+    from executorch.backends.qualcomm._passes.i64_to_i32 import I64toI32
+    from executorch.backends.qualcomm._passes.layout_transform import LayoutTransform
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
+    from executorch.backends.qualcomm.builders import node_visitor_manager
+    from executorch.backends.qualcomm.partition import qnn_partitioner
+
+    support = qnn_partitioner.QnnOperatorSupport
+    return {
+        "visitors": dict(node_visitor_manager._node_visitor_dict),
+        "support_init": support.__dict__["__init__"],
+        "is_node_supported": support.__dict__["is_node_supported"],
+        "record": I64toI32.__dict__["_record_original_output_dtype"],
+        "preserve": I64toI32.__dict__["_preserve_output_dtype"],
+        "sensitive": frozenset(LayoutTransform.layout_sensitive_ops),
+        "activations": QnnPassManager.__dict__["get_default_pass_activations"],
+        "deps": QnnPassManager.__dict__["get_passes_dependency_for_capture_program"],
+        "passes": [p for p, _ in QnnPassManager.get_default_pass_activations()],
+    }
+
+
+def test_enable_is_idempotent_and_disable_restores_executorch_exactly():
+    assert not qnn_convbwd.is_enabled()
+    before = _executorch_state()
+    qnn_convbwd.enable()
+    qnn_convbwd.enable()
+    during = _executorch_state()
+    assert "aten.convolution_backward.default" in during["visitors"]
+    assert len(during["passes"]) == len(before["passes"]) + 1
+    changed = {k for k in before if before[k] != during[k]}
+    assert changed == set(before)  # every integration point is in effect
+    qnn_convbwd.disable()
+    after = _executorch_state()
+    assert after == before
+    assert all(
+        after[k] is before[k]
+        for k in before
+        if callable(before[k]) or hasattr(before[k], "__func__")
+    )
+
+
+def test_enabled_context_restores_prior_state():
+    before = _executorch_state()
+    with qnn_convbwd.enabled():
+        assert qnn_convbwd.is_enabled()
+        with qnn_convbwd.enabled():
+            assert qnn_convbwd.is_enabled()
+        assert qnn_convbwd.is_enabled()  # inner block leaves the outer one enabled
+    assert not qnn_convbwd.is_enabled()
+    assert _executorch_state() == before
+
+
+# --- geometry: the derived transposed convolution equals aten's grad_input --------
+
+
+def _qnn_transpose_conv_reference(g, w, plan: geo.TransposedConvPlan) -> torch.Tensor:
+    """QNN TransposeConv2d semantics in torch: full extent, + output_padding, crop."""
+    g = nn.functional.pad(
+        g, [x for extra in reversed(plan.grad_output_pad_end) for x in (0, extra)]
+    )
+    full = nn.functional.conv_transpose2d(g, w, stride=plan.stride, groups=plan.groups)
+    full = nn.functional.pad(full, [x for o in reversed(plan.output_padding) for x in (0, o)])
+    crops = [slice(None), slice(None)]
+    for dim, (begin, end) in enumerate(plan.pad_amount):
+        crops.append(slice(begin, full.shape[2 + dim] - end))
+    return full[tuple(crops)]
+
+
+@pytest.mark.parametrize("mode", geo.OUTPUT_PADDING_MODES)
+def test_every_output_padding_plan_computes_aten_grad_input(mode):
+    checked = 0
+    for config in generate_configs(60, seed=7):
+        bank = ConvBackwardBank([config])
+        (g,) = bank.example_inputs()
+        (expected,) = bank(g)
+        conv = conv_backward_of(config)
+        plan = geo.plan_input_gradient(conv, mode)
+        got = _qnn_transpose_conv_reference(g, bank.weights[0], plan)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=str(config))
+        if mode == "fold":
+            assert not plan.uses_output_padding
+        checked += 1
+    assert checked == 60
+
+
+def test_odd_input_needs_output_padding_one():
+    config = Config(1, 4, 4, (3, 3), (2, 2), (1, 1), 1, (9, 10))  # 9 -> 5 -> 9, 10 -> 5 -> 9
+    node = next(
+        n
+        for n in ConvBackwardBank([config]).export().graph.nodes
+        if n.target == torch.ops.aten.convolution_backward.default
+    )
+    assert geo.parse(node).transposed_output_padding() == (0, 1)
+
+
+# --- the exported op survives to the partitioner; plain executorch fails --------
+
+
+def _frozen_stack_graph():
+    # No relu: on V68, executorch's lowering of relu's backward mask (le + where) itself
+    # fails to compile (QAIRT: "no properties registered for q::Select"), unrelated to us.
+    return models.training_graph("linear", size=9, channels=4)
+
+
+def test_plain_executorch_cannot_lower_a_joint_graph(qnn_sdk):
+    from qnn_convbwd.toolchain import harness
+
+    graph = _frozen_stack_graph()
+    assert not qnn_convbwd.is_enabled()
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
+    from executorch.exir import to_edge_transform_and_lower
+
+    specs = harness.compile_specs("SM8650")
+    manager = QnnPassManager()
+    program = manager.transform_for_export_pipeline(graph.program)
+    with pytest.raises(Exception, match="I64toI32"):
+        to_edge_transform_and_lower(
+            program,
+            transform_passes=manager.get_to_edge_transform_passes(program),
+            partitioner=[QnnPartitioner(specs)],
+            compile_config=qnn_edge_config(),
+        )
+
+
+def test_convolution_backward_reaches_the_partitioner_undecomposed(qnn_sdk):
+    """On V68 nothing is delegated, so every node must still be in the final graph."""
+    from qnn_convbwd.toolchain import harness
+
+    graph = _frozen_stack_graph()
+    aten_op = torch.ops.aten.convolution_backward.default
+    exported = [n for n in graph.program.graph.nodes if n.target == aten_op]
+    result = qnn_convbwd.lower(graph.program, harness.compile_specs("SM8350"))
+    edge_op = qnn_convbwd.integration.get("ops").edge.aten.convolution_backward.default
+    remaining = [n for n in result.edge.exported_program().graph.nodes if n.target == edge_op]
+    assert len(exported) == len(remaining) == 3
+    assert all(not row.delegated for row in result.report.rows)
+
+
+# --- structure of the QNN graph ------------------------------------------------------
+
+
+class SharedWeightNet(nn.Module):
+    """A frozen conv applied twice (two backward nodes on one weight) and a
+    stride-2 conv on an even size (output_padding 1 through the parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapter = nn.Conv2d(8, 8, 1)
+        self.shared = nn.Conv2d(8, 8, 3, padding=1)
+        self.down = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.shared.requires_grad_(False)
+        self.down.requires_grad_(False)
+
+    def forward(self, x, target):
+        y = torch.relu(self.shared(torch.relu(self.shared(self.adapter(x)))))
+        return nn.functional.mse_loss(self.down(y), target)
+
+
+@contextlib.contextmanager
+def _capture_qnn_graphs():
+    """Record the op wrappers executorch compiles (test-side spy, restored on exit)."""
+    from executorch.backends.qualcomm import qnn_preprocess
+
+    original = qnn_preprocess.QnnBackend.__dict__["_build_op_wrappers"]
+    graphs: list[list] = []
+
+    def spy(*args, **kwargs):
+        wrappers = original.__func__(*args, **kwargs)
+        graphs.append([w.GetOpWrapper() for w in wrappers])
+        return wrappers
+
+    qnn_preprocess.QnnBackend._build_op_wrappers = staticmethod(spy)
+    try:
+        yield graphs
+    finally:
+        qnn_preprocess.QnnBackend._build_op_wrappers = original
+
+
+@contextlib.contextmanager
+def _capture_uint32_params():
+    from qnn_convbwd.builders import qnn_ops
+
+    original_tensor, original_scalar = qnn_ops.uint32_param, qnn_ops.uint32_scalar
+    seen: dict[tuple[str, str], object] = {}
+
+    def tensor_param(op, name, values):
+        seen[(op.GetOpWrapper().GetName(), name)] = [
+            list(v) if isinstance(v, tuple) else v for v in values
+        ]
+        original_tensor(op, name, values)
+
+    def scalar_param(op, name, value):
+        seen[(op.GetOpWrapper().GetName(), name)] = int(value)
+        original_scalar(op, name, value)
+
+    qnn_ops.uint32_param, qnn_ops.uint32_scalar = tensor_param, scalar_param
+    try:
+        yield seen
+    finally:
+        qnn_ops.uint32_param, qnn_ops.uint32_scalar = original_tensor, original_scalar
+
+
+def _io(op, which: str):
+    tensors = op.GetOpConfig()[which]
+    return [(t.v2.name, t.v2.type.name, list(t.v2.dimensions)) for t in tensors]
+
+
+@pytest.fixture(scope="module")
+def shared_weight_lowering(qnn_sdk):
+    from torch.export.experimental import _export_forward_backward
+
+    from qnn_convbwd.toolchain import harness
+
+    torch.manual_seed(0)
+    model = SharedWeightNet()
+    x = torch.randn(1, 8, 10, 10)
+    target = torch.randn(1, 16, 5, 5)
+    joint = _export_forward_backward(torch.export.export(model, (x, target), strict=True))
+    with _capture_qnn_graphs() as graphs, _capture_uint32_params() as params:
+        compiled = harness.lower_program(joint, "SM8650")
+    return model, (x, target), joint, compiled, graphs, params
+
+
+def test_forward_and_backward_read_the_same_static_weight(shared_weight_lowering):
+    _, _, _, compiled, graphs, _ = shared_weight_lowering
+    assert len(graphs) == 1
+    ops = graphs[0]
+    by_output = {out[0]: op for op in ops for out in _io(op, "outputTensors")}
+    tconvs = [op for op in ops if op.GetOpType() == "TransposeConv2d"]
+    convs = [op for op in ops if op.GetOpType() == "Conv2d"]
+    assert len(tconvs) == 3  # shared twice + down; the adapter's backward stays on CPU
+    forward_weights = {_io(op, "inputTensors")[1][0] for op in convs}
+    transposes = {}
+    for tconv in tconvs:
+        hwoi_name, hwoi_type, hwoi_dims = _io(tconv, "inputTensors")[1]
+        assert hwoi_type == "QNN_TENSOR_TYPE_NATIVE"  # produced in the graph, holds no bytes
+        transpose = by_output[hwoi_name]
+        assert transpose.GetOpType() == "Transpose"
+        (weight_name, weight_type, weight_dims) = _io(transpose, "inputTensors")[0]
+        assert weight_type == "QNN_TENSOR_TYPE_STATIC"
+        assert weight_name in forward_weights  # the forward Conv2d's very tensor
+        assert hwoi_dims == [weight_dims[i] for i in geo.HWIO_TO_HWOI]
+        transposes[transpose.GetName()] = weight_name
+    # Two backward nodes on the shared weight, one Transpose for it.
+    assert len(transposes) == 2
+    static_names = [
+        name
+        for op in ops
+        for name, kind, _ in _io(op, "inputTensors")
+        if kind == "QNN_TENSOR_TYPE_STATIC"
+    ]
+    for weight in transposes.values():
+        assert weight in static_names
+
+
+def test_emitted_parameters(shared_weight_lowering):
+    _, _, joint, compiled, graphs, params = shared_weight_lowering
+    tconv_names = [op.GetName() for op in graphs[0] if op.GetOpType() == "TransposeConv2d"]
+    down = [n for n in tconv_names if params[(n, "stride")] == [2, 2]]
+    shared = [n for n in tconv_names if params[(n, "stride")] == [1, 1]]
+    assert len(down) == 1 and len(shared) == 2
+    # 10x10 -> 5x5 with k3 s2 p1: output_padding 1 <= padding, expressed by the parameter.
+    assert params[(down[0], "pad_amount")] == [[1, 1], [1, 1]]
+    assert params[(down[0], "output_padding")] == [1, 1]
+    for name in shared:
+        assert params[(name, "pad_amount")] == [[1, 1], [1, 1]]
+        assert params[(name, "output_padding")] == [0, 0]
+    assert all(params[(n, "group")] == 1 for n in tconv_names)
+    transposes = [op.GetName() for op in graphs[0] if op.GetOpType() == "Transpose"]
+    perms = [params[(n, "perm")] for n in transposes if (n, "perm") in params]
+    assert perms and all(p == list(geo.HWIO_TO_HWOI) for p in perms)
+
+
+def test_shared_weight_training_graph_matches_autograd(shared_weight_lowering):
+    model, inputs, joint, compiled, _, _ = shared_weight_lowering
+    rows = {r.node: r for r in compiled.report.rows}
+    input_grad_rows = [r for r in rows.values() if r.output_mask == [True, False, False]]
+    assert len(input_grad_rows) == 3 and all(r.delegated for r in input_grad_rows)
+    expected = models.autograd_reference(model, inputs, joint)
+    for a, b in zip(_user_outputs(compiled.run(inputs), expected), expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=5e-3 * b.abs().max().item() + 1e-6)
+
+
+# --- end to end on real training graphs ---------------------------------------------
+
+
+def _user_outputs(outputs: list, expected: list) -> list:
+    """The loss and gradients; executorch appends the trainable parameters of a joint
+    program as extra (TOKEN) outputs after them."""
+    assert len(outputs) >= len(expected)
+    return outputs[: len(expected)]
+
+
+@pytest.mark.parametrize(
+    "backbone,size", [("basic_block", 8), ("stride2_block", 9), ("stride2_block", 10)]
+)
+def test_frozen_backbone_training_graph(qnn_sdk, backbone, size):
+    """Every frozen conv's input gradient is delegated; one delegate; autograd's numbers.
+
+    Whole-graph tolerance: a few fp16 layers (u = 4.9e-4) on values of order 1;
+    5e-3 of each output's scale leaves room for ~10 roundings in the chain.
+    """
+    from qnn_convbwd.toolchain import harness
+
+    graph = models.training_graph(backbone, size=size)
+    compiled = harness.lower_program(graph.program, "SM8650")
+    input_grads = [r for r in compiled.report.rows if r.output_mask == [True, False, False]]
+    assert input_grads and all(r.delegated for r in input_grads)
+    others = [r for r in compiled.report.rows if r.output_mask != [True, False, False]]
+    assert all(not r.delegated and "output_mask" in r.reason for r in others)
+    assert harness.delegate_count(compiled.edge) == 1
+    reference = graph.reference()
+    for got, expected in zip(
+        _user_outputs(compiled.run(graph.inputs), reference), reference, strict=True
+    ):
+        tol = 5e-3 * expected.abs().max().item() + 1e-6
+        torch.testing.assert_close(got, expected, rtol=0, atol=tol)
+
+
+# --- numerics over generated configurations -----------------------------------------
+
+
+def _check_bank(compiled, bank: ConvBackwardBank) -> float:
+    inputs = bank.example_inputs()
+    got = compiled.run(inputs)
+    expected = bank(*inputs)
+    worst = 0.0
+    for config, weight, g, a, b in zip(
+        bank.configs, bank.weights, inputs, got, expected, strict=True
+    ):
+        scale = U_FP16 * fp16_error_bound(config, weight, g) + 1e-6
+        ratio = ((a - b).abs() / scale).max().item()
+        assert ratio <= BOUND_FACTOR, f"{config}: error {ratio:.2f} u*|g||w| > {BOUND_FACTOR}"
+        worst = max(worst, ratio)
+    return worst
+
+
+@pytest.mark.parametrize("soc", ["SM8450", "SM8850"])  # V69 and V81
+def test_generated_configs_match_aten_on_the_simulator(qnn_sdk, soc):
+    from qnn_convbwd.toolchain import harness
+
+    configs = generate_configs(42)
+    kinds = {
+        "stride": {c.stride for c in configs},
+        "padding": set(itertools.chain.from_iterable(c.padding for c in configs)),
+        "groups": {"1" if c.groups == 1 else "dw" if c.groups == c.cin else "g" for c in configs},
+        "kernel": {c.kernel for c in configs},
+        "batch": {c.batch for c in configs},
+        "odd": {any(s % 2 for s in c.size) for c in configs},
+    }
+    assert {1, 2, 3} <= set(itertools.chain.from_iterable(kinds["stride"]))
+    assert kinds["padding"] == {0, 1, 2}
+    assert kinds["groups"] == {"1", "g", "dw"}
+    assert {(3, 1), (1, 1), (5, 5)} <= kinds["kernel"]
+    assert kinds["batch"] == {1, 2} and kinds["odd"] == {True, False}
+
+    bank = ConvBackwardBank(configs)
+    compiled = harness.lower_program(bank.export(), soc)
+    assert compiled.report.delegated == len(configs)
+    assert harness.delegate_count(compiled.edge) == 1
+    _check_bank(compiled, bank)
+
+
+# --- HTP defects the lowering works around --------------------------------------------
+
+DEPTHWISE_OP_WITHIN_PAD = Config(1, 8, 8, (3, 3), (2, 2), (1, 1), 8, (10, 10))
+BEYOND_FULL_EXTENT = Config(1, 8, 16, (3, 3), (3, 3), (1, 0), 1, (10, 14))
+
+
+@pytest.mark.parametrize("config", [DEPTHWISE_OP_WITHIN_PAD, BEYOND_FULL_EXTENT], ids=str)
+def test_workaround_computes_the_defective_cases_right(qnn_sdk, config):
+    from qnn_convbwd.toolchain import harness
+
+    bank = ConvBackwardBank([config])
+    assert not geo.parameter_is_reliable(conv_backward_of(config))
+    compiled = harness.lower_program(bank.export(), "SM8650")
+    _check_bank(compiled, bank)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="HTP defect (QAIRT 2.51 simulator): TransposeConv2d output_padding is wrong for "
+    "depthwise convs and beyond the full extent. XPASS means QAIRT fixed it: revisit "
+    "conv_geometry.parameter_is_reliable.",
+)
+@pytest.mark.parametrize("config", [DEPTHWISE_OP_WITHIN_PAD, BEYOND_FULL_EXTENT], ids=str)
+def test_output_padding_parameter_is_still_defective(qnn_sdk, config):
+    from qnn_convbwd.toolchain import harness
+
+    bank = ConvBackwardBank([config])
+    with qnn_convbwd.enabled(output_padding="parameter"):
+        compiled = harness.lower_program(bank.export(), "SM8650")
+    _check_bank(compiled, bank)

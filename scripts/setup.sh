@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One command for a fresh machine: .venv with torch 2.13.0 (CPU), the package with
+# its dev extras (executorch 1.5.1, onnxruntime-qnn 2.7.0), then the QNN SDK root
+# and the HTP shim in ~/.cache/qnn_convbwd (or $QNN_CONVBWD_CACHE). Idempotent:
+# a second run reuses the venv, finds everything installed and the shim cached.
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+
+if [ ! -x .venv/bin/python ]; then
+    echo "setup: creating .venv with $("$PYTHON" --version 2>&1)"
+    "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
+
+# torch first and pinned: it is taken from a local file here; an unpinned torch
+# (or one pulled in by executorch) would download a multi-GB CUDA build.
+if ! python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
+    python -m pip install -q "torch==2.13.0"
+fi
+python -m pip install -q -e '.[dev]'
+
+# Assemble the SDK root from the onnxruntime-qnn wheel and build (or reuse) the shim;
+# same as `qnn-convbwd doctor --sdk-only`, without importing the other subcommands.
+python -m qnn_convbwd.toolchain.doctor --sdk-only

@@ -31,6 +31,13 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.builders.qnn_constants", "OpTransposeConv2d", "QNN op/param names"),
     (f"{_QC}.builders.qnn_constants", "OpPad", "QNN op/param names"),
     (f"{_QC}.builders.qnn_constants", "QNN_OP_PACKAGE_NAME_QTI_AISW", "QNN op package"),
+    (f"{_QC}.builders.qnn_constants", "OpReshape", "QNN op names (runtime_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpStridedSlice", "QNN op/param names (runtime_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpElementWiseEqual", "QNN op names (runtime_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpElementWiseNotEqual", "QNN op names (runtime_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpElementWiseOr", "QNN op names (runtime_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpElementWiseMultiply", "QNN op names (runtime_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpCast", "QNN op names (runtime_weight)"),
     (f"{_QC}.builders.utils", "get_parameter", "reads static weights"),
     (f"{_QC}.builders.utils", "is_parameter", "static-weight check"),
     (f"{_QC}.utils.constants", "QCOM_QUANT_ATTRS", "quantization metadata key"),
@@ -203,12 +210,43 @@ class Hooks:
     transform_pass: type  # added to QnnPassManager's to_edge transform passes
     record_output_dtypes: Callable[[Any, Any], None]  # (pass, graph_module)
     preserve_output_dtypes: Callable[[Callable, Any, Any], None]  # (original, pass, gm)
+    # Ops to build before executorch's forward convolution visitor builds a node,
+    # (visitor, node, nodes_to_wrappers) -> list of op wrappers; None: no wrapper.
+    conv_prelude: Callable[[Any, Any, Any], list] | None = None
+
+
+# executorch's visitor of the forward convolution, wrapped when a prelude is set.
+CONV_TARGET = "aten.convolution.default"
+
+
+def _with_prelude(base: type, prelude: Callable[[Any, Any, Any], list]) -> type:
+    """Subclass of executorch's convolution visitor running ``prelude`` first."""
+
+    class ConvolutionWithPrelude(base):
+        def define_node(self, node, nodes_to_wrappers):
+            ops = prelude(self, node, nodes_to_wrappers)
+            built = super().define_node(node, nodes_to_wrappers)
+            if not ops or built is None:
+                return built
+            return [*ops, *(built if isinstance(built, list) else [built])]
+
+    ConvolutionWithPrelude.__name__ = ConvolutionWithPrelude.__qualname__ = (
+        f"{base.__name__}WithPrelude"
+    )
+    return ConvolutionWithPrelude
 
 
 def _apply(p: _Patches, hooks: Hooks) -> None:
     visitors = get("_node_visitor_dict")
     for target, cls in hooks.visitor_targets.items():
         p.dict_item(visitors, target, cls)
+
+    if hooks.conv_prelude is not None:
+        if CONV_TARGET not in visitors:
+            raise ExecutorchIntegrationError(
+                f"executorch {executorch_version()} registers no visitor for {CONV_TARGET}"
+            )
+        p.dict_item(visitors, CONV_TARGET, _with_prelude(visitors[CONV_TARGET], hooks.conv_prelude))
 
     sensitive = get("LayoutTransform.layout_sensitive_ops")
     for op in hooks.layout_sensitive_ops:

@@ -92,6 +92,14 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
     return original()
 
 
+def _conv_prelude(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
+    """Ops the selected formulation builds before a forward convolution (usually none)."""
+    from .builders.input_gradient_runtime_weight import FORWARD_PRELUDES
+
+    prelude = FORWARD_PRELUDES.get(options.current.input_gradient)
+    return [] if prelude is None else prelude(visitor, node, nodes_to_wrappers)
+
+
 def _hooks() -> integration.Hooks:
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
 
@@ -103,6 +111,7 @@ def _hooks() -> integration.Hooks:
     hooks.transform_pass = ReplaceShapeOnlyOperands
     hooks.record_output_dtypes = record_output_dtypes
     hooks.preserve_output_dtypes = preserve_output_dtypes
+    hooks.conv_prelude = _conv_prelude
     return hooks
 
 

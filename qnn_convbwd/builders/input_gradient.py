@@ -14,7 +14,7 @@ import torch
 
 from .. import integration
 from . import conv_geometry as geo
-from . import qnn_ops, weights
+from . import input_gradient_runtime_weight, qnn_ops, weights
 
 
 @dataclasses.dataclass
@@ -71,4 +71,6 @@ def transpose_conv(req: GradInputRequest) -> list:
 
 FORMULATIONS: dict[str, Callable[[GradInputRequest], list]] = {
     "transpose_conv": transpose_conv,
+    # transpose_conv on a runtime weight, stored once (see that module).
+    input_gradient_runtime_weight.NAME: input_gradient_runtime_weight.build,
 }

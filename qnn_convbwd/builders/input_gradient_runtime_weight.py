@@ -1,0 +1,294 @@
+"""The ``runtime_weight`` formulation: the shared convolution weight stored once.
+
+Why ``transpose_conv`` stores the weight twice: the HTP compiler keeps, for every
+op that reads a static tensor, a copy of that tensor prepared for the op. The
+forward Conv2d reads the static HWIO weight; the backward TransposeConv2d reads
+``Transpose(HWIO)``, which the compiler folds into a second static tensor. The
+context binary then holds two prepared copies (measured: 128x128x3x3 fp16 adds
+290,816 bytes to a 294,912-byte weight). Reading the same static HWIO tensor
+from a second op of any other type (TransposeConv2d, MatMul with
+``transpose_in1``, an element-wise op) adds a copy as well; only identical
+Conv2d ops share one.
+
+What this formulation does instead: before the forward Conv2d is built (through
+``FORWARD_PRELUDES``, called by the plugin's wrapper of executorch's convolution
+visitor), the weight becomes a *runtime* tensor::
+
+    weight (static, flat RAW layout, the only stored copy)
+      x one (1.0 computed at run time from the forward input)  -> Reshape -> HWIO
+    HWIO (native) -> forward Conv2d                (dynamic filter)
+    HWIO (native) -> Transpose -> HWOI -> TransposeConv2d   (transpose_conv, unchanged)
+
+The multiplication by a value the compiler cannot know is what keeps it from
+folding the chain back into static tensors (without it, Reshape is folded and
+both ops get their own prepared copy again). ``one`` is built so that it is 1.0
+for every input value, NaN and infinities included: ``Equal(v, v) or
+NotEqual(v, v)``, cast to float; ``w * 1.0`` is exact in every precision.
+
+The static tensor is laid out ``[1, H, 8, 32]`` (H a multiple of 8, zeros
+appended): the HTP stores a static that an element-wise op reads in its
+activation layout, which pads the second and third dims and the channel dim to
+its block sizes. In the weight's own HWIO shape ``[3, 3, Cin, Cout]`` that costs
+8/3 of the weight; ``[1, H, 8, 32]`` fits the blocks exactly (measured on V69,
+V75, V81 with QAIRT 2.51).
+
+The cost moves to run time: the forward Conv2d and the backward TransposeConv2d
+take a dynamic filter that the HTP prepares on every execution, plus one
+element-wise pass and a reshape over the weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from .. import integration
+from . import conv_geometry as geo
+from . import qnn_ops
+
+logger = logging.getLogger(__name__)
+
+NAME = "runtime_weight"
+
+# Block of the stored tensor's last three dims that the HTP stores without padding.
+RAW_BLOCK = (8, 8, 32)
+
+# Forward-convolution arguments (aten.convolution schema).
+_CONV_INPUT, _CONV_WEIGHT, _CONV_TRANSPOSED = 0, 1, 6
+
+
+def raw_layout(numel: int) -> tuple[list[int], int]:
+    """Shape ``[1, H, 8, 32]`` of the stored tensor for ``numel`` elements, and its size."""
+    block = math.prod(RAW_BLOCK)
+    padded = max(1, math.ceil(numel / block)) * block
+    h, w, d = RAW_BLOCK
+    return [1, padded // (w * d), w, d], padded
+
+
+def _edge_ops():
+    return integration.get("ops").edge.aten
+
+
+def _is_conv_bwd(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target == _edge_ops().convolution_backward.default
+
+
+def _reads_weight_values(node: torch.fx.Node) -> bool:
+    """A convolution_backward asking for grad_input (grad_weight needs only the shape)."""
+    return _is_conv_bwd(node) and bool(node.args[geo.OUTPUT_MASK][0])
+
+
+def _is_forward_conv(node: torch.fx.Node) -> bool:
+    return node.op == "call_function" and node.target == _edge_ops().convolution.default
+
+
+def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
+    """Why ``weight_node`` keeps its static tensor in this graph (None: it becomes runtime).
+
+    Every op reading the weight gets the wrapper cached under its name, so the
+    runtime HWIO tensor is only made where all readers expect HWIO: non-transposed
+    2-D convolutions and convolution_backward, with at least one convolution and
+    one convolution_backward that computes grad_input.
+    """
+    if not isinstance(weight_node, torch.fx.Node):
+        return "weight is not a graph value"
+    users = list(weight_node.users)
+    forward = [u for u in users if _is_forward_conv(u)]
+    if not forward or not any(_reads_weight_values(u) for u in users):
+        return "not read by both a convolution and a grad_input convolution_backward here"
+    others = [u.name for u in users if not (_is_forward_conv(u) or _is_conv_bwd(u))]
+    if others:
+        return f"also read by {others}"
+    if any(u.args[_CONV_TRANSPOSED] for u in forward):
+        return "read by a transposed convolution"
+    if any(d != 1 for u in users if _reads_weight_values(u) for d in u.args[geo.DILATION]):
+        return "a dilated convolution_backward builds its own (dilated) filter"
+    if not integration.get("is_parameter")(weight_node, visitor.edge_program):
+        return "weight is not a parameter of the program"
+    weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
+    if weight.dim() != 4:
+        return f"not a 2-D convolution (weight rank {weight.dim()})"
+    if not weight.dtype.is_floating_point:
+        return f"weight dtype {weight.dtype}"
+    quant_key = integration.get("QCOM_QUANT_ATTRS")
+    if any(n.meta.get(quant_key) for n in [weight_node, *users]):
+        return "quantized convolution"
+    return None
+
+
+def _int32_param(op, name: str, values) -> None:
+    array = np.asarray(values, dtype=np.int32)
+    op.AddTensorParam(
+        name,
+        qnn_ops.adaptor_enum("Qnn_DataType_t").QNN_DATATYPE_INT_32,
+        array.ndim,
+        list(array.shape),
+        array,
+        True,
+    )
+
+
+def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_wrappers):
+    """Ops computing a tensor of ones ``[1] * rank`` from ``sample_node``'s first element."""
+    sample_value = visitor.get_tensor(sample_node, build_node)
+    source = visitor.define_tensor(
+        sample_node,
+        build_node,
+        sample_value,
+        qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE,
+        nodes_to_wrappers,
+    )
+    rank = sample_value.dim()
+    unit = [1] * rank
+
+    def tensor(name: str, tensor_dtype: torch.dtype):
+        return qnn_ops.native_tensor(
+            visitor, f"{prefix}_{name}", unit, tensor_dtype, nodes_to_wrappers
+        )
+
+    value, same, differs, either, one = (
+        tensor("sample", sample_value.dtype),
+        tensor("same", torch.bool),
+        tensor("differs", torch.bool),
+        tensor("either", torch.bool),
+        tensor("one", dtype),
+    )
+    slice_names = integration.get("OpStridedSlice")
+    sample = qnn_ops.new_op(f"{prefix}_sample", slice_names.op_name, [source], [value])
+    _int32_param(sample, slice_names.param_ranges, [[0, 1, 1]] * rank)
+    ops = [
+        sample,
+        qnn_ops.new_op(
+            f"{prefix}_same", integration.get("OpElementWiseEqual").op_name, [value, value], [same]
+        ),
+        qnn_ops.new_op(
+            f"{prefix}_differs",
+            integration.get("OpElementWiseNotEqual").op_name,
+            [value, value],
+            [differs],
+        ),
+        qnn_ops.new_op(
+            f"{prefix}_either",
+            integration.get("OpElementWiseOr").op_name,
+            [same, differs],
+            [either],
+        ),
+        qnn_ops.new_op(f"{prefix}_one", integration.get("OpCast").op_name, [either], [one]),
+    ]
+    return ops, one
+
+
+def provide_runtime_weight(
+    visitor,
+    weight_node: torch.fx.Node,
+    build_node: torch.fx.Node,
+    sample_node: torch.fx.Node,
+    nodes_to_wrappers,
+) -> list:
+    """Define the weight as a runtime HWIO tensor; return the ops that compute it.
+
+    The HWIO wrapper is cached under the weight node's name, where executorch's
+    Conv2d visitor and ``weights.static_weight_hwio`` look it up, so the forward
+    Conv2d and the backward Transpose both read it. ``sample_node`` (an input of
+    ``build_node``, available when it runs) supplies the run-time 1.0. Returns
+    no ops when the weight keeps its static tensor (the reason is logged at
+    DEBUG) or is defined already.
+    """
+    if nodes_to_wrappers[weight_node.name].get(0) is not None:
+        return []  # runtime already (another reader came first), or static
+    reason = not_applicable(visitor, weight_node)
+    if reason is not None:
+        logger.debug("%s: static weight kept: %s", weight_node.name, reason)
+        return []
+
+    weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
+    hwio = weight.permute(geo.OIHW_TO_HWIO).contiguous()
+    numel = hwio.numel()
+    raw_shape, padded = raw_layout(numel)
+    flat = hwio.reshape(-1)
+    if padded > numel:
+        flat = torch.cat([flat, flat.new_zeros(padded - numel)])
+    prefix = f"{weight_node.name}_runtime"
+    tensor_types = qnn_ops.adaptor_enum("Qnn_TensorType_t")
+    stored = visitor.define_tensor(
+        weight_node,
+        build_node,
+        flat.reshape(raw_shape),
+        tensor_types.QNN_TENSOR_TYPE_STATIC,
+        nodes_to_wrappers,
+        node_name=f"{prefix}_stored",
+    )
+
+    def native(name: str, shape):
+        return qnn_ops.native_tensor(
+            visitor, f"{prefix}_{name}", shape, hwio.dtype, nodes_to_wrappers
+        )
+
+    ops, one = _runtime_one(visitor, sample_node, build_node, prefix, hwio.dtype, nodes_to_wrappers)
+    scaled = native("scaled", raw_shape)
+    ops.append(
+        qnn_ops.new_op(
+            f"{prefix}_scale",
+            integration.get("OpElementWiseMultiply").op_name,
+            [stored, one],
+            [scaled],
+        )
+    )
+    reshape = integration.get("OpReshape").op_name
+    source = scaled
+    if padded > numel:
+        row = native("row", [1, 1, 1, padded])
+        ops.append(qnn_ops.new_op(f"{prefix}_row", reshape, [scaled], [row]))
+        trimmed = native("trimmed", [1, 1, 1, numel])
+        slice_names = integration.get("OpStridedSlice")
+        trim = qnn_ops.new_op(f"{prefix}_trim", slice_names.op_name, [row], [trimmed])
+        _int32_param(trim, slice_names.param_ranges, [[0, 1, 1]] * 3 + [[0, numel, 1]])
+        ops.append(trim)
+        source = trimmed
+    # Cached under the weight node's own name: the forward Conv2d visitor asks for it.
+    runtime_hwio = qnn_ops.native_tensor(
+        visitor, weight_node.name, list(hwio.shape), hwio.dtype, nodes_to_wrappers
+    )
+    ops.append(qnn_ops.new_op(f"{prefix}_hwio", reshape, [source], [runtime_hwio]))
+    logger.debug(
+        "%s: weight %s stored once as %s, HWIO %s at run time",
+        build_node.name,
+        weight_node.name,
+        raw_shape,
+        list(hwio.shape),
+    )
+    return ops
+
+
+def forward_prelude(visitor, conv_node: torch.fx.Node, nodes_to_wrappers) -> list:
+    """Before the forward Conv2d is built: its weight becomes runtime (1.0 from its input)."""
+    weight_node = conv_node.args[_CONV_WEIGHT]
+    if not isinstance(weight_node, torch.fx.Node):
+        return []
+    sample = visitor.get_node(conv_node.args[_CONV_INPUT])
+    return provide_runtime_weight(visitor, weight_node, conv_node, sample, nodes_to_wrappers)
+
+
+def build(req) -> list:
+    """grad_input: ``transpose_conv`` on the runtime weight.
+
+    Normally the forward Conv2d, earlier in the graph, has made the weight
+    runtime already. Where the backward is built first, it does so itself with
+    1.0 from grad_output, so the order of the two in the graph does not matter.
+    """
+    from .input_gradient import transpose_conv  # input_gradient registers this module
+
+    weight_node = req.visitor.get_node(req.node.args[geo.WEIGHT])
+    sample = req.visitor.get_node(req.node.args[geo.GRAD_OUTPUT])
+    ops = provide_runtime_weight(req.visitor, weight_node, req.node, sample, req.nodes_to_wrappers)
+    return [*ops, *transpose_conv(req)]
+
+
+# Formulation name -> what runs before executorch builds a forward convolution.
+FORWARD_PRELUDES: dict[str, Callable[[object, torch.fx.Node, dict], list]] = {
+    NAME: forward_prelude,
+}

@@ -170,6 +170,21 @@ class SaverGraph:
     def consumers(self, tensor: str) -> list[SaverOp]:
         return [op for op in self.ops if tensor in op.inputs]
 
+    def first_input_chain(self, tensor: str) -> tuple[str, list[SaverOp]]:
+        """Follow ``tensor``'s producer's first input upwards to a tensor no op writes.
+
+        Returns that tensor's name and the ops passed, nearest first. For data moved
+        by layout ops (Transpose, Reshape, StridedSlice, Multiply by one) the root
+        is the tensor the data comes from.
+        """
+        chain: list[SaverOp] = []
+        while (op := self.producer(tensor)) is not None and op.inputs:
+            if op in chain:
+                raise SaverFormatError(f"tensor {tensor!r} is produced in a cycle")
+            chain.append(op)
+            tensor = op.inputs[0]
+        return tensor, chain
+
     def static_inputs(self) -> list[SaverTensor]:
         """STATIC tensors some op reads as an input (weights, biases), not op parameters."""
         names = {name for op in self.ops for name in op.inputs}
@@ -437,6 +452,7 @@ def load(directory: str | os.PathLike) -> SaverGraph:
 
 _PROGRAM_FILE = "program.pt2"
 _NODES_FILE = "nodes.json"
+_OPTIONS_FILE = "options.json"
 
 
 def _node_list(graph: torch.fx.Graph) -> list[list[str]]:
@@ -449,11 +465,13 @@ def record(
     *,
     timeout: float = 600,
     keep: str | os.PathLike | None = None,
+    options: dict[str, Any] | None = None,
 ) -> SaverGraph:
     """Lower ``program`` with the Saver backend for ``soc`` in a child process and parse it.
 
     Only the first delegated partition is recorded (executorch exits after it).
-    ``keep`` names a directory to copy ``saver_output.c`` and ``params.bin`` to.
+    ``keep`` names a directory to copy ``saver_output.c`` and ``params.bin`` to;
+    ``options`` are passed to ``qnn_convbwd.enable`` in the child.
     Raises ``SaverError`` with the child's stderr tail when no recording appears.
     """
     from .sdk import ensure_sdk
@@ -464,6 +482,7 @@ def record(
         work = Path(tmp)
         torch.export.save(program, work / _PROGRAM_FILE)
         (work / _NODES_FILE).write_text(json.dumps(_node_list(program.graph)))
+        (work / _OPTIONS_FILE).write_text(json.dumps(options or {}))
         cmd = [sys.executable, "-m", "qnn_convbwd.toolchain.saver", str(work), soc]
         try:
             proc = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=timeout)
@@ -523,7 +542,7 @@ def _child_main(work: Path, soc: str) -> int:
     from .harness import compile_specs
 
     program = _load_program(work)
-    qnn_convbwd.enable()
+    qnn_convbwd.enable(**json.loads((work / _OPTIONS_FILE).read_text()))
     os.chdir(work)  # executorch writes ./saver_output
     try:
         qnn_convbwd.lower(program, compile_specs(soc, saver=True))

@@ -16,7 +16,7 @@ from . import integration, options
 from .builders import conv_geometry as geo
 from .partition import support
 from .partition.target import Target
-from .passes import preserve_output_dtypes, record_output_dtypes
+from .passes import layout, preserve_output_dtypes, record_output_dtypes
 from .passes.shape_only_operands import SHAPE_OF, ReplaceShapeOnlyOperands
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,8 @@ def _hooks() -> integration.Hooks:
     hooks.on_support_init = _on_support_init
     hooks.is_node_supported = _is_node_supported
     hooks.transform_pass = ReplaceShapeOnlyOperands
+    hooks.layout_edge_condition = layout.is_edge_condition
+    hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes
     hooks.preserve_output_dtypes = preserve_output_dtypes
     hooks.conv_prelude = _conv_prelude
@@ -217,6 +219,66 @@ def _conv_bwd_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     ]
 
 
+def _row(name: str, conv: geo.ConvBackward, delegated: bool, skipped: set | None) -> ReportRow:
+    decision = _decisions.get(name)
+    if delegated:
+        reason = "delegated"
+    elif decision is not None and decision.rejection is not None:
+        reason = f"{decision.rejection.reason} ({decision.rejection.values})"
+    elif skipped and name in skipped:
+        reason = "skipped by skip_node_id_set"
+    else:
+        reason = "not partitioned (kept on CPU by the partitioner)"
+    return ReportRow(
+        node=name,
+        grad_output=list(conv.grad_output_shape),
+        input=list(conv.input_shape),
+        weight=list(conv.weight_shape),
+        stride=list(conv.stride),
+        padding=list(conv.padding),
+        dilation=list(conv.dilation),
+        groups=conv.groups,
+        output_mask=list(conv.output_mask),
+        delegated=delegated,
+        reason=reason,
+    )
+
+
+def decide(program: torch.export.ExportedProgram, compiler_specs: list) -> Report:
+    """The support decision for every convolution_backward node, without compiling.
+
+    Runs the same export and to_edge transform passes as ``lower`` and asks the
+    rules (not the QNN backend's op validation, which needs a working backend).
+    "delegated" in the rows means "the rules delegate it".
+    """
+    with enabled():
+        target = Target.from_compile_specs(compiler_specs)
+        before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
+        _decisions.clear()
+        backend = integration.get("flatbuffer_to_option")(
+            integration.get("generate_qnn_executorch_option")(compiler_specs)
+        ).backend_options.backend_type
+        pass_manager = integration.get("get_qnn_pass_manager_cls")(backend)()
+        aten_program = pass_manager.transform_for_export_pipeline(program)
+        passes = pass_manager.get_to_edge_transform_passes(
+            aten_program, compiler_specs=compiler_specs
+        )
+        edge = integration.get("to_edge_transform_and_lower")(
+            aten_program,
+            transform_passes=passes,
+            compile_config=integration.get("qnn_edge_config")(),
+        )
+        edge_program = edge.exported_program()
+        target = target.with_program(edge_program)
+        supported: set[str] = set()
+        for node in _conv_bwd_nodes(edge_program.graph):
+            decision = support.decide(node, target)
+            _record(node, decision)
+            if decision.supported:
+                supported.update(origins(node))
+        return Report([_row(n, c, n in supported, None) for n, c in before.items()])
+
+
 def lower(
     program: torch.export.ExportedProgram,
     compiler_specs: list,
@@ -261,33 +323,10 @@ def lower(
         remaining = {
             name for n in _conv_bwd_nodes(edge.exported_program().graph) for name in origins(n)
         }
-        rows = []
-        for name, conv in before.items():
-            decision = _decisions.get(name)
-            delegated = name not in remaining
-            if delegated:
-                reason = "delegated"
-            elif decision is not None and decision.rejection is not None:
-                reason = f"{decision.rejection.reason} ({decision.rejection.values})"
-            elif skip_node_id_set and name in skip_node_id_set:
-                reason = "skipped by skip_node_id_set"
-            else:
-                reason = "not partitioned (kept on CPU by the partitioner)"
-            rows.append(
-                ReportRow(
-                    node=name,
-                    grad_output=list(conv.grad_output_shape),
-                    input=list(conv.input_shape),
-                    weight=list(conv.weight_shape),
-                    stride=list(conv.stride),
-                    padding=list(conv.padding),
-                    dilation=list(conv.dilation),
-                    groups=conv.groups,
-                    output_mask=list(conv.output_mask),
-                    delegated=delegated,
-                    reason=reason,
-                )
-            )
+        rows = [
+            _row(name, conv, name not in remaining, skip_node_id_set)
+            for name, conv in before.items()
+        ]
         logger.info(
             "convolution_backward on %s: %d of %d delegated",
             target.soc,

@@ -12,10 +12,12 @@ the package only calls the functions here.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import importlib.metadata
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -38,6 +40,9 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.builders.qnn_constants", "OpElementWiseOr", "QNN op names (runtime_weight)"),
     (f"{_QC}.builders.qnn_constants", "OpElementWiseMultiply", "QNN op names (runtime_weight)"),
     (f"{_QC}.builders.qnn_constants", "OpCast", "QNN op names (runtime_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpConv2d", "QNN op/param names (grad_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpReduceSum", "QNN op/param names (grad_bias)"),
+    (f"{_QC}.python.PyQnnManagerAdaptor", "TensorWrapper", "static tensors with own names"),
     (f"{_QC}.builders.utils", "get_parameter", "reads static weights"),
     (f"{_QC}.builders.utils", "is_parameter", "static-weight check"),
     (f"{_QC}.utils.constants", "QCOM_QUANT_ATTRS", "quantization metadata key"),
@@ -56,12 +61,18 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "patched",
     ),
     (f"{_QC}._passes", "LayoutTransform", "pass ordering"),
+    (f"{_QC}._passes", "CanonicalizeConv", "pass ordering (1-D convs)"),
+    ("torchao.quantization.pt2e.utils", "get_new_attr_name_with_prefix", "1-D weight buffers"),
+    ("torch._guards", "detect_fake_mode", "1-D weight buffers"),
     (f"{_QC}._passes", "I64toI32", "pass ordering"),
     (f"{_QC}._passes", "RemoveRedundancy", "pass ordering"),
     (f"{_QC}._passes", "ResolveDebugHandle", "pass ordering"),
     (f"{_QC}._passes.i64_to_i32", "I64toI32._record_original_output_dtype", "patched"),
     (f"{_QC}._passes.i64_to_i32", "I64toI32._preserve_output_dtype", "patched"),
     (f"{_QC}._passes.layout_transform", "LayoutTransform.layout_sensitive_ops", "op added"),
+    (f"{_QC}._passes.layout_transform", "LayoutTransform.is_edge_condition", "patched"),
+    (f"{_QC}._passes.layout_transform", "LayoutTransform.mark_as_transformed", "patched"),
+    (f"{_QC}.qnn_preprocess", "QnnBackend._build_op_wrappers", "observed by capture_qnn_graphs"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "PyQnnOpWrapper", "builds QNN ops"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_TensorType_t", "QNN tensor types"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_DataType_t", "QNN data types"),
@@ -208,6 +219,8 @@ class Hooks:
     on_support_init: Callable[[Any, Any, Any], None]  # (checker, edge_program, compiler_specs)
     is_node_supported: Callable[[Callable, Any, Any], bool]  # (original, checker, node)
     transform_pass: type  # added to QnnPassManager's to_edge transform passes
+    layout_edge_condition: Callable[[Callable, Any, Any], bool]  # (original, pass, node)
+    layout_mark: Callable[[Callable, Any, Any], None]  # (original, pass, node)
     record_output_dtypes: Callable[[Any, Any], None]  # (pass, graph_module)
     preserve_output_dtypes: Callable[[Callable, Any, Any], None]  # (original, pass, gm)
     # Ops to build before executorch's forward convolution visitor builds a node,
@@ -252,6 +265,18 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
     for op in hooks.layout_sensitive_ops:
         p.set_add(sensitive, op)
 
+    layout = importlib.import_module(f"{_QC}._passes.layout_transform").LayoutTransform
+    orig_edge, orig_mark = layout.is_edge_condition, layout.mark_as_transformed
+
+    def is_edge_condition(self, node):
+        return hooks.layout_edge_condition(lambda n: orig_edge(self, n), self, node)
+
+    def mark_as_transformed(self, node):
+        hooks.layout_mark(lambda n: orig_mark(self, n), self, node)
+
+    p.set_attr(layout, "is_edge_condition", is_edge_condition)
+    p.set_attr(layout, "mark_as_transformed", mark_as_transformed)
+
     qp = importlib.import_module(f"{_QC}.partition.qnn_partitioner")
     support_cls = qp.QnnOperatorSupport
 
@@ -281,7 +306,7 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
         deps = orig_deps(cls)
         # After the graph is cleaned up, before the passes that read operands'
         # layout and dtype; ResolveDebugHandle must stay last.
-        deps[hooks.transform_pass] = [get("RemoveRedundancy")]
+        deps[hooks.transform_pass] = [get("RemoveRedundancy"), get("CanonicalizeConv")]
         for later in ("LayoutTransform", "I64toI32", "ResolveDebugHandle"):
             deps.setdefault(get(later), [])
             deps[get(later)] = [*deps[get(later)], hooks.transform_pass]
@@ -301,3 +326,88 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
     p.set_attr(i64, "_record_original_output_dtype", record)
     p.set_attr(i64, "_preserve_output_dtype", preserve)
+
+
+# ---------------------------------------------------------------------------
+# Observing what executorch compiles
+# ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class QnnTensorInfo:
+    name: str
+    kind: str  # QNN tensor type name, e.g. "QNN_TENSOR_TYPE_STATIC"
+    dims: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def is_static(self) -> bool:
+        return self.kind.endswith("STATIC")
+
+
+@dataclasses.dataclass(frozen=True)
+class QnnOpInfo:
+    name: str
+    op_type: str
+    inputs: tuple[QnnTensorInfo, ...]
+    outputs: tuple[QnnTensorInfo, ...]
+
+
+_DTYPE_BYTES = {
+    "FLOAT_32": 4,
+    "FLOAT_16": 2,
+    "INT_32": 4,
+    "UINT_32": 4,
+    "INT_8": 1,
+    "UINT_8": 1,
+    "INT_16": 2,
+    "UINT_16": 2,
+    "BOOL_8": 1,
+    "SFIXED_POINT_8": 1,
+    "UFIXED_POINT_8": 1,
+    "SFIXED_POINT_16": 2,
+    "UFIXED_POINT_16": 2,
+    "SFIXED_POINT_32": 4,
+}
+
+
+def _tensor_info(tensor: Any) -> QnnTensorInfo:
+    v2 = tensor.v2
+    dims = tuple(int(d) for d in v2.dimensions)
+    width = next((b for k, b in _DTYPE_BYTES.items() if v2.dataType.name.endswith(k)), 4)
+    count = 1
+    for d in dims:
+        count *= d
+    return QnnTensorInfo(str(v2.name), v2.type.name, dims, count * width)
+
+
+@contextlib.contextmanager
+def capture_qnn_graphs() -> Iterator[list[list[QnnOpInfo]]]:
+    """Record the QNN ops executorch compiles, one list per partition, while active."""
+    backend = importlib.import_module(f"{_QC}.qnn_preprocess").QnnBackend
+    original = backend.__dict__["_build_op_wrappers"]
+    graphs: list[list[QnnOpInfo]] = []
+
+    def observe(*args, **kwargs):
+        wrappers = original.__func__(*args, **kwargs)
+        if isinstance(wrappers, list):
+            ops = []
+            for wrapper in wrappers:
+                op = wrapper.GetOpWrapper()
+                config = op.GetOpConfig()
+                ops.append(
+                    QnnOpInfo(
+                        op.GetName(),
+                        op.GetOpType(),
+                        tuple(_tensor_info(t) for t in config["inputTensors"]),
+                        tuple(_tensor_info(t) for t in config["outputTensors"]),
+                    )
+                )
+            graphs.append(ops)
+        return wrappers
+
+    backend._build_op_wrappers = staticmethod(observe)
+    try:
+        yield graphs
+    finally:
+        backend._build_op_wrappers = original

@@ -24,12 +24,16 @@ class Config:
     padding: tuple[int, int]
     groups: int
     size: tuple[int, int]  # spatial size of the forward input
+    dilation: tuple[int, int] = (1, 1)
+    mask: tuple[bool, bool, bool] = (True, False, False)
 
     @property
     def output_size(self) -> tuple[int, ...]:
         return tuple(
-            (i + 2 * p - k) // s + 1
-            for i, k, s, p in zip(self.size, self.kernel, self.stride, self.padding, strict=True)
+            (i + 2 * p - d * (k - 1) - 1) // s + 1
+            for i, k, s, p, d in zip(
+                self.size, self.kernel, self.stride, self.padding, self.dilation, strict=True
+            )
         )
 
     def valid(self) -> bool:
@@ -40,11 +44,16 @@ class Config:
         )
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"n{self.batch}_c{self.cin}x{self.cout}_k{self.kernel[0]}x{self.kernel[1]}"
             f"_s{self.stride[0]}x{self.stride[1]}_p{self.padding[0]}x{self.padding[1]}"
             f"_g{self.groups}_{self.size[0]}x{self.size[1]}"
         )
+        if self.dilation != (1, 1):
+            text += f"_d{self.dilation[0]}x{self.dilation[1]}"
+        if self.mask != (True, False, False):
+            text += "_m" + "".join("1" if m else "0" for m in self.mask)
+        return text
 
 
 def generate_configs(count: int, seed: int = 0) -> list[Config]:
@@ -88,25 +97,26 @@ class ConvBackwardBank(nn.Module):
             for c in configs
         )
         for i, c in enumerate(configs):
-            self.register_buffer(f"input_{i}", torch.zeros(c.batch, c.cin, *c.size))
+            # grad_weight reads the forward input's values; grad_input only its shape.
+            self.register_buffer(f"input_{i}", torch.randn(c.batch, c.cin, *c.size, generator=gen))
 
     def forward(self, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         results = []
         for i, (c, g) in enumerate(zip(self.configs, grad_outputs, strict=True)):
-            grad_input, _, _ = torch.ops.aten.convolution_backward.default(
+            grads = torch.ops.aten.convolution_backward.default(
                 g,
                 getattr(self, f"input_{i}"),
                 self.weights[i],
-                None,
+                [c.cout] if c.mask[2] else None,
                 list(c.stride),
                 list(c.padding),
-                [1, 1],
+                list(c.dilation),
                 False,
                 [0, 0],
                 c.groups,
-                [True, False, False],
+                list(c.mask),
             )
-            results.append(grad_input)
+            results.extend(t for t, m in zip(grads, c.mask, strict=True) if m)
         return tuple(results)
 
     def example_inputs(self, seed: int = 1) -> tuple[torch.Tensor, ...]:
@@ -117,6 +127,28 @@ class ConvBackwardBank(nn.Module):
 
     def export(self) -> torch.export.ExportedProgram:
         return torch.export.export(self, self.example_inputs(), strict=True)
+
+
+def fp16_error_bounds(
+    config: Config, weight: torch.Tensor, inputs: torch.Tensor, grad_output: torch.Tensor
+) -> list[torch.Tensor]:
+    """Element-wise fp16 error scales of every requested output (the argument of
+    ``fp16_error_bound``): each output is a sum of products, so its scale is the
+    same sum over absolute values."""
+    grads = torch.ops.aten.convolution_backward.default(
+        grad_output.abs(),
+        inputs.abs(),
+        weight.abs(),
+        [config.cout],
+        list(config.stride),
+        list(config.padding),
+        list(config.dilation),
+        False,
+        [0, 0],
+        config.groups,
+        [True, True, True],
+    )
+    return [t for t, m in zip(grads, config.mask, strict=True) if m]
 
 
 def fp16_error_bound(
@@ -135,7 +167,7 @@ def fp16_error_bound(
         None,
         list(config.stride),
         list(config.padding),
-        [1, 1],
+        list(config.dilation),
         False,
         [0, 0],
         config.groups,
@@ -154,10 +186,10 @@ def conv_backward_of(config: Config):
         weight_shape=(config.cout, config.cin // config.groups, *config.kernel),
         stride=config.stride,
         padding=config.padding,
-        dilation=(1, 1),
+        dilation=config.dilation,
         transposed=False,
         output_padding_arg=(0, 0),
         groups=config.groups,
-        output_mask=(True, False, False),
+        output_mask=config.mask,
         dtype=torch.float32,
     )

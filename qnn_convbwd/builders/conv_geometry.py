@@ -242,3 +242,43 @@ def plan_input_gradient(conv: ConvBackward, mode: str = "auto") -> TransposedCon
         grad_output_pad_end=tuple(extend),
         groups=conv.groups,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGradPlan:
+    """The Conv2d that computes grad_weight (see builders/weight_gradient.py)."""
+
+    stride: tuple[int, ...]  # the forward dilation
+    dilation: tuple[int, ...]  # the forward stride
+    pad_amount: tuple[tuple[int, int], ...]
+    output_size: tuple[int, ...]  # >= kernel; the excess is sliced off
+
+
+def plan_weight_gradient(conv: ConvBackward) -> WeightGradPlan:
+    """Conv2d of the batch/channel-swapped input with grad_output as filter.
+
+    The filter spans ``(o - 1) s + 1`` input elements (size o, dilation s), read
+    at every ``d``-th position. With the forward padding at both ends it yields
+    ``k + r // d`` positions, where ``r = i + 2p - d (k - 1) - 1 - (o - 1) s`` is
+    what the forward convolution's floor division dropped; the end padding is
+    reduced by r where it can be, and anything left over is sliced off.
+    """
+    pads, sizes = [], []
+    for i, o, s, p, d, k in zip(
+        conv.input_shape[2:],
+        conv.grad_output_shape[2:],
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        conv.kernel,
+    ):
+        dropped = int(i) + 2 * p - d * (k - 1) - 1 - (int(o) - 1) * s
+        end = max(p - dropped, 0)
+        pads.append((p, end))
+        sizes.append((int(i) + p + end - (int(o) - 1) * s - 1) // d + 1)
+    return WeightGradPlan(
+        stride=conv.dilation,
+        dilation=conv.stride,
+        pad_amount=tuple(pads),
+        output_size=tuple(sizes),
+    )

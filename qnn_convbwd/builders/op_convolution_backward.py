@@ -1,4 +1,4 @@
-"""QNN lowering of ``aten.convolution_backward`` (input gradient).
+"""QNN lowering of ``aten.convolution_backward``: grad_input, grad_weight, grad_bias.
 
 grad_input of a convolution is the transposed convolution of grad_output with
 the same weight, stride, padding and groups; the output padding restores the
@@ -9,8 +9,9 @@ chosen by ``Options.input_gradient`` (see ``input_gradient.py``); the default::
       -> Transpose perm (0, 1, 3, 2) -> HWOI
     grad_output (NHWC) --TransposeConv2d(HWOI)--> grad_input (NHWC) [-> Pad]
 
-The visitor does not decide support (``partition.support.decide`` does); it
-raises on a node it cannot build, which the rules keep from it.
+grad_weight and grad_bias: see ``weight_gradient.py``. The visitor does not
+decide support (``partition.support.decide`` does); it raises on a node it
+cannot build, which the rules keep from it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from .. import integration, options
 from . import conv_geometry as geo
+from . import weight_gradient
 from .input_gradient import FORMULATIONS, GradInputRequest
 
 NodeVisitor = integration.get("NodeVisitor")
@@ -31,31 +33,48 @@ class ConvolutionBackwardVisitor(NodeVisitor):
 
     def define_node(self, node: torch.fx.Node, nodes_to_wrappers):
         conv = geo.parse(node)
-        if conv.output_mask != (True, False, False) or conv.spatial_dims != 2:
-            raise geo.ConvArgumentError(
-                f"{node.name}: this visitor builds grad_input of 2-D convolutions only"
-            )
+        if conv.spatial_dims != 2:
+            raise geo.ConvArgumentError(f"{node.name}: only 2-D convolutions are built here")
         native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
         grad_output_node = self.get_node(node.args[geo.GRAD_OUTPUT])
+        grad_output_value = self.get_tensor(grad_output_node, node)  # NHWC
         grad_output = self.define_tensor(
-            grad_output_node,
-            node,
-            self.get_tensor(grad_output_node, node),
-            native,
-            nodes_to_wrappers,
+            grad_output_node, node, grad_output_value, native, nodes_to_wrappers
         )
-        grad_input_value = self.get_tensor(node, node, 0)  # NHWC after layout transform
-        grad_input = self.define_tensor(
-            node, node, grad_input_value, native, nodes_to_wrappers, wrapper_idx=0
-        )
-        request = GradInputRequest(
-            visitor=self,
-            node=node,
-            conv=conv,
-            grad_output=grad_output,
-            grad_input=grad_input,
-            grad_input_value=grad_input_value,
-            nodes_to_wrappers=nodes_to_wrappers,
-            output_padding=options.current.output_padding,
-        )
-        return FORMULATIONS[options.current.input_gradient](request)
+
+        def output(index: int, value: torch.Tensor):
+            return self.define_tensor(
+                node, node, value, native, nodes_to_wrappers, wrapper_idx=index
+            )
+
+        want_input, want_weight, want_bias = conv.output_mask
+        ops: list = []
+        if want_input:
+            grad_input_value = self.get_tensor(node, node, 0)  # NHWC after layout transform
+            request = GradInputRequest(
+                visitor=self,
+                node=node,
+                conv=conv,
+                grad_output=grad_output,
+                grad_input=output(0, grad_input_value),
+                grad_input_value=grad_input_value,
+                nodes_to_wrappers=nodes_to_wrappers,
+                output_padding=options.current.output_padding,
+            )
+            ops += FORMULATIONS[options.current.input_gradient](request)
+        if want_weight:
+            # torch's OIHW: the layout pass leaves weight-side outputs untransformed.
+            grad_weight = output(1, node.meta["val"][1])
+            ops += weight_gradient.weight_gradient(
+                self,
+                node,
+                conv,
+                grad_output,
+                list(grad_output_value.shape),
+                grad_weight,
+                nodes_to_wrappers,
+            )
+        if want_bias:
+            grad_bias = output(2, node.meta["val"][2])
+            ops += weight_gradient.bias_gradient(node, grad_output, conv.rank, grad_bias)
+        return ops

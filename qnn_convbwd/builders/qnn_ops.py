@@ -78,3 +78,57 @@ def zero_pad_end(name: str, source, result, trailing: Sequence[int]):
     float_scalar(pad, names.param_pad_constant_value, 0.0)
     uint32_param(pad, names.param_pad_amount, [[0, 0], *([0, t] for t in trailing), [0, 0]])
     return pad
+
+
+def bool_scalar(op, name: str, value: bool) -> None:
+    op.AddScalarParam(
+        name,
+        adaptor_enum("Qnn_DataType_t").QNN_DATATYPE_BOOL_8,
+        {integration.get("QCOM_DATA"): bool(value)},
+    )
+
+
+def strided_slice(name: str, source, result, ranges: Sequence[Sequence[int]]):
+    """StridedSlice with per-dim [begin, end, step] ``ranges``."""
+    names = integration.get("OpStridedSlice")
+    op = new_op(name, names.op_name, [source], [result])
+    array = np.asarray(ranges, dtype=np.int32)
+    op.AddTensorParam(
+        names.param_ranges,
+        adaptor_enum("Qnn_DataType_t").QNN_DATATYPE_INT_32,
+        2,
+        list(array.shape),
+        array,
+        True,
+    )
+    return op
+
+
+def static_tensor(
+    name: str, value: np.ndarray | None, dims: Sequence[int], dtype: torch.dtype, nodes_to_wrappers
+):
+    """A QNN static tensor named ``name`` holding ``value`` (cached under ``name``).
+
+    Takes numpy data. While executorch's partitioner validates ops, parameters
+    are fake tensors without data: ``value`` is then None and only the shape is
+    declared, as executorch's own visitors do.
+    """
+    cached = nodes_to_wrappers.get(name, {}).get(0)
+    if cached is not None:
+        return cached
+    dims = [int(d) for d in dims]
+    data = np.array([]) if value is None else np.ascontiguousarray(value)
+    wrapper = integration.get("TensorWrapper")(
+        name,
+        adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_STATIC,
+        integration.get("QNN_TENSOR_TYPE_MAP")[dtype],
+        adaptor_enum("Qnn_QuantizationEncoding_t").QNN_QUANTIZATION_ENCODING_UNDEFINED,
+        {},
+        len(dims),
+        dims,
+        [],
+        data,
+        value is not None,
+    )
+    nodes_to_wrappers[name][0] = wrapper
+    return wrapper

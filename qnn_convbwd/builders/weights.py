@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import integration
 from . import conv_geometry as geo
@@ -42,9 +44,36 @@ def hwoi_name(weight_node: torch.fx.Node) -> str:
     return f"{weight_node.name}_convbwd_hwoi"
 
 
+def dilated_hwoi(
+    visitor, weight_node: torch.fx.Node, build_node, dilation, nodes_to_wrappers
+) -> WeightTensors:
+    """A static HWOI filter with the kernel dilated (zeros between the taps).
+
+    TransposeConv2d has no dilation parameter; a dilated transposed convolution
+    is the undilated one with this kernel. It is a second static tensor: the
+    weight is stored twice (and larger) for dilated convolutions.
+    """
+    name = f"{hwoi_name(weight_node)}_dilated_{'x'.join(map(str, dilation))}"
+    weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
+    out_c, in_c, *kernel = weight.shape
+    size = [d * (k - 1) + 1 for d, k in zip(dilation, kernel, strict=True)]
+    oihw = [out_c, in_c, *size]
+    hwoi_dims = [[oihw[i] for i in geo.OIHW_TO_HWIO][j] for j in geo.HWIO_TO_HWOI]
+    hwoi = None
+    if not isinstance(weight, FakeTensor):  # real data outside op validation
+        dilated = np.zeros(oihw, dtype=weight.detach().numpy().dtype)
+        dilated[:, :, :: dilation[0], :: dilation[1]] = weight.detach().numpy()
+        hwoi = dilated.transpose(geo.OIHW_TO_HWIO).transpose(geo.HWIO_TO_HWOI)
+    tensor = qnn_ops.static_tensor(name, hwoi, hwoi_dims, weight.dtype, nodes_to_wrappers)
+    return WeightTensors(None, tensor, None)
+
+
 def weight_for_input_gradient(
     visitor, weight_node: torch.fx.Node, build_node: torch.fx.Node, nodes_to_wrappers
 ) -> WeightTensors:
+    conv = geo.parse(build_node)
+    if any(d != 1 for d in conv.dilation):
+        return dilated_hwoi(visitor, weight_node, build_node, conv.dilation, nodes_to_wrappers)
     hwio = static_weight_hwio(visitor, weight_node, build_node, nodes_to_wrappers)
     name = hwoi_name(weight_node)
     cached = nodes_to_wrappers.get(name, {}).get(0)

@@ -35,7 +35,9 @@ FLOAT_DTYPES = (torch.float32, torch.float16)
 # What the builders can lower. Widening the lowering (a new gradient, another
 # number of spatial dims, dilation) means adding its name here together with the
 # builder code that handles it; the rules below read this set when they run.
-CAPABILITIES: frozenset[str] = frozenset({"grad_input", "conv2d"})
+CAPABILITIES: frozenset[str] = frozenset(
+    {"grad_input", "grad_weight", "grad_bias", "conv1d", "conv2d", "dilation"}
+)
 # Every name a rule understands, including those no builder handles yet.
 KNOWN_CAPABILITIES: frozenset[str] = frozenset(
     {"grad_input", "grad_weight", "grad_bias", "conv1d", "conv2d", "conv3d", "dilation"}
@@ -243,6 +245,8 @@ def float_operands(node, conv, target):
 
 @rule
 def expressible_output_padding(node, conv, target):
+    if not conv.output_mask[0]:
+        return None  # only grad_input is a transposed convolution
     op = conv.transposed_output_padding()
     if any(not 0 <= o < s for o, s in zip(op, conv.stride)):
         return _reject(

@@ -91,7 +91,8 @@ def replace_shape_only_operands(
 
 
 class ReplaceShapeOnlyOperands(PassBase):
-    """to_edge transform pass wrapping ``replace_shape_only_operands``."""
+    """to_edge transform pass: ``lift_conv1d``, ``split_input_gradient``, then
+    ``replace_shape_only_operands``, each on the nodes the support rules delegate."""
 
     def __init__(self, edge_program=None, compiler_specs=None) -> None:
         super().__init__()
@@ -107,7 +108,13 @@ class ReplaceShapeOnlyOperands(PassBase):
             if self.compiler_specs
             else Target.unknown(self.edge_program)
         )
-        changed = replace_shape_only_operands(
-            graph_module, lambda node: support.decide(node, target, log=False).supported
-        )
+        from .conv1d import lift_conv1d
+        from .split_gradients import split_input_gradient
+
+        def delegated(node: torch.fx.Node) -> bool:
+            return support.decide(node, target, log=False).supported
+
+        changed = lift_conv1d(graph_module, self.edge_program, delegated)
+        changed += split_input_gradient(graph_module, delegated)
+        changed += replace_shape_only_operands(graph_module, delegated)
         return PassResult(graph_module, changed > 0)

@@ -1,0 +1,141 @@
+"""grad_weight and grad_bias of a 2-D convolution on QNN.
+
+grad_weight is itself a convolution, with the roles of the operands exchanged::
+
+    gw[o, i, a, b] = sum_{n, y, x} g[n, o, y, x] * xp[n, g*Cg + i, y*s + a*d, x*s + b*d]
+
+(xp: the input zero-padded by p; o in group g; Cg = C_in / groups). Read the
+input with batch and channels swapped, I[i, h, w, (g, n)] = xp[n, g*Cg + i, h, w],
+and grad_output as a filter F[y, x, n, o] = g[n, o, y, x]: a grouped Conv2d of I
+with F, stride d, dilation s and the forward padding yields
+``[Cg, kH', kW', C_out]`` (kH' >= kH; the excess is sliced off), which is
+grad_weight in HWIO order up to one Transpose to torch's OIHW.
+
+The filter is a runtime tensor (it is grad_output), which the HTP accepts for
+Conv2d. Alternatives considered: a MatMul over im2col patches needs the patch
+extraction as many StridedSlice/Concat ops (one per kernel tap) and a
+``C_in*k*k``-wide intermediate; the convolution does the same reduction in one
+op on the HMX path.
+
+grad_bias is a ReduceSum of grad_output over batch and spatial dims.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import integration
+from . import conv_geometry as geo
+from . import qnn_ops
+
+
+def _transpose(name: str, source, shape: Sequence[int], perm: Sequence[int], dtype, visitor, n2w):
+    out_shape = [shape[i] for i in perm]
+    result = qnn_ops.native_tensor(visitor, name, out_shape, dtype, n2w)
+    op = qnn_ops.new_op(f"{name}_op", integration.get("OpTranspose").op_name, [source], [result])
+    qnn_ops.uint32_param(op, integration.get("OpTranspose").param_perm, perm)
+    return op, result, out_shape
+
+
+def _reshape(name: str, source, shape: Sequence[int], dtype, visitor, n2w):
+    result = qnn_ops.native_tensor(visitor, name, shape, dtype, n2w)
+    op = qnn_ops.new_op(f"{name}_op", integration.get("OpReshape").op_name, [source], [result])
+    return op, result
+
+
+def weight_gradient(
+    visitor,
+    node: torch.fx.Node,
+    conv: geo.ConvBackward,
+    grad_output,
+    grad_output_shape: Sequence[int],  # NHWC
+    result,
+    nodes_to_wrappers,
+) -> list:
+    """Ops computing grad_weight (OIHW, into ``result``) for a 2-D convolution."""
+    native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
+    dtype = conv.dtype
+    x_node = visitor.get_node(node.args[geo.INPUT])
+    x_value = visitor.get_tensor(x_node, node)  # NHWC
+    x = visitor.define_tensor(x_node, node, x_value, native, nodes_to_wrappers)
+    n, h, w, cin = (int(v) for v in x_value.shape)
+    groups = conv.groups
+    cg = cin // groups
+    base = f"{node.name}_gw"
+    ops = []
+
+    # I = [Cg, H, W, groups * N]: batch and channels exchanged, groups kept apart.
+    if groups == 1:
+        op, image, _ = _transpose(
+            f"{base}_image", x, [n, h, w, cin], (3, 1, 2, 0), dtype, visitor, nodes_to_wrappers
+        )
+        ops.append(op)
+    else:
+        op, split = _reshape(
+            f"{base}_split", x, [n, h, w, groups, cg], dtype, visitor, nodes_to_wrappers
+        )
+        ops.append(op)
+        op, swapped, _ = _transpose(
+            f"{base}_swap",
+            split,
+            [n, h, w, groups, cg],
+            (4, 1, 2, 3, 0),
+            dtype,
+            visitor,
+            nodes_to_wrappers,
+        )
+        ops.append(op)
+        op, image = _reshape(
+            f"{base}_image", swapped, [cg, h, w, groups * n], dtype, visitor, nodes_to_wrappers
+        )
+        ops.append(op)
+
+    # F = [Ho, Wo, N, C_out]: grad_output as an HWIO filter.
+    op, filt, _ = _transpose(
+        f"{base}_filter",
+        grad_output,
+        list(grad_output_shape),
+        (1, 2, 0, 3),
+        dtype,
+        visitor,
+        nodes_to_wrappers,
+    )
+    ops.append(op)
+
+    plan = geo.plan_weight_gradient(conv)
+    full_shape = [cg, *plan.output_size, conv.out_channels]
+    needs_slice = tuple(plan.output_size) != conv.kernel
+    conv_out = (
+        qnn_ops.native_tensor(visitor, f"{base}_full", full_shape, dtype, nodes_to_wrappers)
+        if needs_slice
+        else None
+    )
+    hwio_shape = [cg, *conv.kernel, conv.out_channels]
+    hwio = qnn_ops.native_tensor(visitor, f"{base}_hwio", hwio_shape, dtype, nodes_to_wrappers)
+    names = integration.get("OpConv2d")
+    conv_op = qnn_ops.new_op(f"{base}_conv", names.op_name, [image, filt], [conv_out or hwio])
+    qnn_ops.uint32_param(conv_op, names.param_stride, plan.stride)
+    qnn_ops.uint32_param(conv_op, names.param_pad_amount, plan.pad_amount)
+    qnn_ops.uint32_param(conv_op, names.param_dilation, plan.dilation)
+    qnn_ops.uint32_scalar(conv_op, names.param_group, groups)
+    ops.append(conv_op)
+    if needs_slice:
+        ranges = [[0, cg, 1], *([0, k, 1] for k in conv.kernel), [0, conv.out_channels, 1]]
+        ops.append(qnn_ops.strided_slice(f"{base}_crop", conv_out, hwio, ranges))
+
+    # [Cg, kH, kW, C_out] -> OIHW [C_out, Cg, kH, kW]
+    op = qnn_ops.new_op(f"{base}_oihw", integration.get("OpTranspose").op_name, [hwio], [result])
+    qnn_ops.uint32_param(op, integration.get("OpTranspose").param_perm, (3, 0, 1, 2))
+    ops.append(op)
+    return ops
+
+
+def bias_gradient(node: torch.fx.Node, grad_output, rank: int, result) -> list:
+    """ReduceSum of grad_output (NHWC) over every axis but the channels."""
+    names = integration.get("OpReduceSum")
+    op = qnn_ops.new_op(f"{node.name}_gb", names.op_name, [grad_output], [result])
+    qnn_ops.uint32_param(op, names.param_axes, list(range(rank - 1)))
+    qnn_ops.bool_scalar(op, names.param_keep_dims, False)
+    return [op]

@@ -1,0 +1,50 @@
+"""convolution_backward in executorch's LayoutTransform.
+
+The op is layout sensitive: grad_output, input and grad_input are activations
+and travel NHWC inside QNN. Its other outputs are not: grad_weight (OIHW) and
+grad_bias ([C]) keep torch's layout, so their getitems are edge conditions the
+pass neither marks nor permutes. The node's own axis order is that of its
+activations (grad_output's rank); executorch would otherwise take it from
+whichever getitem happens to be its first user, a weight-side one included.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+
+import torch
+
+from .. import integration
+from ..builders import conv_geometry as geo
+
+
+def _is_conv_bwd(node) -> bool:
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and node.target == integration.get("ops").edge.aten.convolution_backward.default
+    )
+
+
+def is_weight_side_output(node) -> bool:
+    """getitem 1 (grad_weight) or 2 (grad_bias) of a convolution_backward."""
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "call_function"
+        and node.target == operator.getitem
+        and _is_conv_bwd(node.args[0])
+        and node.args[1] != 0
+    )
+
+
+def is_edge_condition(original: Callable, pass_, node) -> bool:
+    return is_weight_side_output(node) or original(node)
+
+
+def mark_as_transformed(original: Callable, pass_, node) -> None:
+    if not _is_conv_bwd(node):
+        original(node)
+        return
+    grad_output = node.args[geo.GRAD_OUTPUT].meta["val"]
+    node.meta[pass_.transformed_tag] = pass_.get_axis_order(list(grad_output.shape))

@@ -78,6 +78,8 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_DataType_t", "QNN data types"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_QuantizationEncoding_t", "QNN quant encoding"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "PyQnnTensorWrapper", "reads tensor names"),
+    (f"{_QC}.python.PyQnnManagerAdaptor", "GetQnnSdkBuildId", "doctor: loaded QAIRT build id"),
+    ("executorch.exir.lowered_backend_module", "get_lowered_submodules", "delegate inspection"),
     (f"{_QC}.builders.node_visitor", "QNN_TENSOR_TYPE_MAP", "torch -> QNN dtype"),
     ("executorch.exir.dialects._ops", "ops", "edge dialect op handles"),
     ("executorch.exir", "to_edge_transform_and_lower", "lower()"),

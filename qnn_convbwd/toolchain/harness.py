@@ -66,16 +66,17 @@ class Compiled:
 
 def context_binaries(edge: Any) -> list[bytes]:
     """The QNN context binaries of every delegate in the lowered program."""
-    from executorch.exir.lowered_backend_module import get_lowered_submodules
+    from .. import integration
 
     graph_module = edge.exported_program().graph_module
-    return [bytes(module.processed_bytes) for _, module, _ in get_lowered_submodules(graph_module)]
+    submodules = integration.get("get_lowered_submodules")(graph_module)
+    return [bytes(module.processed_bytes) for _, module, _ in submodules]
 
 
 def delegate_count(edge: Any) -> int:
-    from executorch.exir.lowered_backend_module import get_lowered_submodules
+    from .. import integration
 
-    return len(get_lowered_submodules(edge.exported_program().graph_module))
+    return len(integration.get("get_lowered_submodules")(edge.exported_program().graph_module))
 
 
 def lower_module(

@@ -177,9 +177,9 @@ def read_build_id(htp_library: Path) -> str:
 
 def loaded_build_id(sdk: SdkInfo) -> str:
     """Build id as the library answering to ``libQnnHtp.so`` in this process reports it."""
-    import executorch.backends.qualcomm.python.PyQnnManagerAdaptor as adaptor
+    from .. import integration
 
-    return str(adaptor.GetQnnSdkBuildId(str(sdk.lib_dir / "libQnnHtp.so")))
+    return str(integration.get("GetQnnSdkBuildId")(str(sdk.lib_dir / "libQnnHtp.so")))
 
 
 def _shim_wanted(build_id: str) -> tuple[bool, str]:

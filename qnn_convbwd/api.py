@@ -244,6 +244,22 @@ def _row(name: str, conv: geo.ConvBackward, delegated: bool, skipped: set | None
     )
 
 
+def _qualcomm_passes(program, compiler_specs, skip_node_id_set=None, skip_node_op_set=None):
+    """executorch's export passes and to_edge transform passes for the specs' backend."""
+    backend = integration.get("flatbuffer_to_option")(
+        integration.get("generate_qnn_executorch_option")(compiler_specs)
+    ).backend_options.backend_type
+    pass_manager = integration.get("get_qnn_pass_manager_cls")(backend)()
+    aten_program = pass_manager.transform_for_export_pipeline(program)
+    passes = pass_manager.get_to_edge_transform_passes(
+        aten_program,
+        compiler_specs=compiler_specs,
+        skip_node_id_set=skip_node_id_set,
+        skip_node_op_set=skip_node_op_set,
+    )
+    return aten_program, passes
+
+
 def decide(program: torch.export.ExportedProgram, compiler_specs: list) -> Report:
     """The support decision for every convolution_backward node, without compiling.
 
@@ -255,14 +271,7 @@ def decide(program: torch.export.ExportedProgram, compiler_specs: list) -> Repor
         target = Target.from_compile_specs(compiler_specs)
         before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
         _decisions.clear()
-        backend = integration.get("flatbuffer_to_option")(
-            integration.get("generate_qnn_executorch_option")(compiler_specs)
-        ).backend_options.backend_type
-        pass_manager = integration.get("get_qnn_pass_manager_cls")(backend)()
-        aten_program = pass_manager.transform_for_export_pipeline(program)
-        passes = pass_manager.get_to_edge_transform_passes(
-            aten_program, compiler_specs=compiler_specs
-        )
+        aten_program, passes = _qualcomm_passes(program, compiler_specs)
         edge = integration.get("to_edge_transform_and_lower")(
             aten_program,
             transform_passes=passes,
@@ -296,16 +305,8 @@ def lower(
         before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
         _decisions.clear()
 
-        backend = integration.get("flatbuffer_to_option")(
-            integration.get("generate_qnn_executorch_option")(compiler_specs)
-        ).backend_options.backend_type
-        pass_manager = integration.get("get_qnn_pass_manager_cls")(backend)()
-        aten_program = pass_manager.transform_for_export_pipeline(program)
-        passes = pass_manager.get_to_edge_transform_passes(
-            aten_program,
-            compiler_specs=compiler_specs,
-            skip_node_id_set=skip_node_id_set,
-            skip_node_op_set=skip_node_op_set,
+        aten_program, passes = _qualcomm_passes(
+            program, compiler_specs, skip_node_id_set, skip_node_op_set
         )
         partitioner = integration.get("QnnPartitioner")(
             compiler_specs,

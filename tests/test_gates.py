@@ -56,9 +56,11 @@ def assert_on_cpu(edge) -> None:
 
 
 def assert_delegated(edge) -> None:
+    """No node in the top-level graph; the node (possibly split by the plugin's
+    passes into grad_input and grad_weight/grad_bias halves) inside a delegate."""
     assert not cases.conv_backward_nodes(edge.exported_program().graph)
     inside = [n for g in lowered_graphs(edge) for n in cases.conv_backward_nodes(g)]
-    assert len(inside) == 1, f"{len(inside)} convolution_backward nodes inside delegates"
+    assert inside, "no convolution_backward inside the delegates"
 
 
 def assert_cpu_numbers(compiled, built: cases.Built) -> None:
@@ -198,15 +200,15 @@ def test_case_table_names_real_rules_and_capabilities():
 
 def test_one_log_line_per_rejection(caplog):
     """decide() logs its rejection once, with the rule attached, and nothing when silent."""
-    built = cases.CASE_BY_NAME["dilation"].build()
+    built = cases.CASE_BY_NAME["transposed"].build()
     node = conv_node(built.program)
     caplog.set_level(logging.INFO, logger="qnn_convbwd")
     decision = support.decide(node, htp_target(built.program))
-    support.decide(node, htp_target(built.program), log=False)
+    assert support.decide(node, htp_target(built.program), log=False) == decision
     (record,) = not_delegated_records(caplog)
-    assert record.convbwd_rule == "dilation" and record.convbwd_node == node.name
+    assert record.convbwd_rule == "not_transposed" and record.convbwd_node == node.name
     assert record.getMessage() == decision.rejection.message(node.name)
-    assert "dilation=[2, 1]" in record.getMessage()
+    assert record.getMessage().endswith("(transposed=True)")
 
 
 # --- HTP architecture ------------------------------------------------------------------------

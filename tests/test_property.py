@@ -1,0 +1,660 @@
+"""Generated convolution_backward configurations: each one is delegated and
+computes torch's numbers, or stays on CPU with one logged reason, and none
+breaks the lowering.
+
+Three tiers, cheapest first (example counts: default run / ``--slow``):
+
+1. ``test_decisions`` (300 / 3000): ``decide`` on the exported node agrees with
+   an independent reading of the configuration, logs one line per rejection,
+   and for delegated nodes the transposed-convolution plan reproduces
+   ``aten.convolution_backward``'s grad_input (through a model of QNN
+   TransposeConv2d, and through torch's ``conv_transpose``).
+2. ``test_visitor_and_validation`` (15 / 200): executorch's QNN passes, then
+   executorch's support check (patched by the plugin): the QNN ops the visitor
+   emits, parameters read back at the QNN op wrapper, reproduce grad_input, and
+   the HTP backend's op validation accepts them.
+3. ``test_compiled`` (15 / 100): full lowering for the SoC and a run of the
+   ``.pte`` (HTP simulator for delegated nodes, CPU kernels otherwise).
+
+Per-rule counts and worst errors are printed at the end of the module and kept
+in pytest's cache under ``qnn_convbwd/property_stats``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import re
+import time
+
+import cases
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from qnn_convbwd.builders import conv_geometry as geo
+from qnn_convbwd.partition import support
+from qnn_convbwd.partition.target import Target
+
+SOC_ARCH = {"SM8350": 68, "SM8450": 69, "SM8550": 73, "SM8650": 75, "SM8750": 79, "SM8850": 81}
+NOT_DELEGATED = re.compile(r"^convolution_backward (\S+): not delegated: (.*)$")
+MASKS = [
+    (True, False, False),
+    (True, True, False),
+    (True, False, True),
+    (False, True, False),
+    (True, True, True),
+]
+
+STATS: dict = collections.defaultdict(collections.Counter)
+WORST: dict[str, float] = collections.defaultdict(float)
+
+
+def _examples(request, default: int, slow: int) -> int:
+    return slow if request.config.getoption("--slow") else default
+
+
+def _settings(n: int):
+    return settings(
+        max_examples=n,
+        deadline=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,
+    )
+
+
+# --- configurations ------------------------------------------------------------------------
+
+
+@st.composite
+def conv_configs(draw, rank=None, mask=None, soc=None):
+    """(ConvConfig, SoC). Sizes stay small; rank 5 smaller still."""
+    spatial = draw(rank or st.sampled_from([4, 4, 4, 3, 5])) - 2
+    kind = draw(st.sampled_from(["single", "grouped", "depthwise"]))
+    if kind == "single":
+        groups = 1
+        cin, cout = draw(st.integers(1, 8)), draw(st.integers(1, 8))
+    elif kind == "grouped":
+        groups = draw(st.integers(2, 4))
+        cin, cout = groups * draw(st.integers(1, 3)), groups * draw(st.integers(1, 3))
+    else:  # depthwise, channel multiplier 1 or 2
+        groups = draw(st.integers(2, 8))
+        cin, cout = groups, groups * draw(st.integers(1, 2))
+    per_dim = st.lists(st.integers(1, 5), min_size=spatial, max_size=spatial)
+    kernel = tuple(draw(per_dim))
+    stride = tuple(draw(st.lists(st.integers(1, 3), min_size=spatial, max_size=spatial)))
+    padding = tuple(draw(st.lists(st.integers(0, 2), min_size=spatial, max_size=spatial)))
+    dilation = tuple(draw(st.lists(st.sampled_from([1, 1, 2]), min_size=spatial, max_size=spatial)))
+    extra = 4 if spatial == 3 else 9
+    size = []
+    for k, p, d in zip(kernel, padding, dilation):
+        smallest = max(1, d * (k - 1) + 1 - 2 * p)  # the forward conv has one output
+        size.append(draw(st.integers(smallest, smallest + extra)))
+    config = cases.ConvConfig(
+        in_channels=cin,
+        out_channels=cout,
+        kernel=kernel,
+        input_size=tuple(size),
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        groups=groups,
+        batch=draw(st.integers(1, 2)),
+        output_mask=draw(mask or st.sampled_from(MASKS[:1] * 4 + MASKS[1:])),
+    )
+    return config, draw(soc or st.sampled_from(list(SOC_ARCH)))
+
+
+# Tiers 2 and 3 lean towards configurations that are delegated, where there is
+# more to check; the others still come up.
+delegable = conv_configs(
+    rank=st.sampled_from([4] * 8 + [3, 5]),
+    mask=st.sampled_from(MASKS[:1] * 8 + MASKS[1:]),
+    soc=st.sampled_from([s for s, a in SOC_ARCH.items() if a >= 69] * 4 + ["SM8350"]),
+)
+
+
+def expected_rule(config: cases.ConvConfig, soc: str) -> str | None:
+    """Which rule should reject the node, read from the configuration alone."""
+    if SOC_ARCH[soc] < support.MIN_HTP_ARCH:
+        return "htp_arch_supported"
+    asked = {g for g, m in zip(("grad_input", "grad_weight", "grad_bias"), config.output_mask) if m}
+    if not asked <= support.CAPABILITIES:
+        return "requested_gradients"
+    if f"conv{config.spatial_dims}d" not in support.CAPABILITIES:
+        return "spatial_dims"
+    if any(d > 1 for d in config.dilation) and "dilation" not in support.CAPABILITIES:
+        return "dilation"
+    return None
+
+
+# --- references ------------------------------------------------------------------------------
+
+
+def reference64(built: cases.Built) -> tuple[torch.Tensor, ...]:
+    """aten.convolution_backward in float64: what every tier is compared with."""
+    grad_output, x = (t.double() for t in built.inputs[:2])
+    weight = built.module.weight.double()
+    return torch.ops.aten.convolution_backward.default(grad_output, x, weight, *built.config.args())
+
+
+def qnn_transpose_conv(
+    grad_output: torch.Tensor,
+    weight_iohw: torch.Tensor,
+    stride,
+    pad_amount,
+    output_padding,
+    groups: int,
+) -> torch.Tensor:
+    """A model of QNN TransposeConv{1,2,3}d on NC<spatial> tensors.
+
+    Per spatial dim the output is the full transposed convolution,
+    ``(in - 1) * stride + k`` elements, grown by ``output_padding`` zeros at the
+    end, then cropped by ``pad_amount = (begin, end)``. The weight is in torch's
+    conv_transpose layout ``[C_in_t, C_out_t / groups, *k]``.
+    """
+    n = grad_output.dim() - 2
+    conv_transpose = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[n - 1]
+    full = conv_transpose(grad_output, weight_iohw, stride=tuple(stride), groups=groups)
+    grown = _pad_end(full, output_padding)
+    crop = tuple(
+        slice(begin, grown.shape[2 + i] - end) for i, (begin, end) in enumerate(pad_amount)
+    )
+    return grown[(slice(None), slice(None), *crop)]
+
+
+def ratio_to_magnitude(actual, expected, magnitude) -> float:
+    return cases.worst_ratio(actual, expected, magnitude, atol=1e-12)
+
+
+def magnitude64(built: cases.Built) -> tuple[torch.Tensor, ...]:
+    grad_output, x = (t.double() for t in built.inputs[:2])
+    return torch.ops.aten.convolution_backward.default(
+        grad_output.abs(), x.abs(), built.module.weight.double().abs(), *built.config.args()
+    )
+
+
+def _pad_end(x: torch.Tensor, amounts) -> torch.Tensor:
+    """Append ``amounts[i]`` zeros after spatial dim i of an NC<spatial> tensor."""
+    n = x.dim() - 2
+    return F.pad(x, [a for i in reversed(range(n)) for a in (0, amounts[i])])
+
+
+def dilated(weight: torch.Tensor, dilation) -> torch.Tensor:
+    """The filter with ``d - 1`` zeros between taps: TransposeConv2d has no dilation."""
+    kernel = [d * (k - 1) + 1 for d, k in zip(dilation, weight.shape[2:])]
+    out = weight.new_zeros(*weight.shape[:2], *kernel)
+    out[(slice(None), slice(None), *(slice(None, None, d) for d in dilation))] = weight
+    return out
+
+
+def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
+    """Every output_padding mode's plan gives aten's grad_input (in the model)."""
+    grad_output = built.inputs[0].double()
+    # OIHW = conv_transpose's [C_in_t, C_out_t/g, k]
+    weight = dilated(built.module.weight.double(), conv.dilation)
+    (want, *_), (scale, *_) = reference64(built), magnitude64(built)
+    for mode in geo.OUTPUT_PADDING_MODES:
+        plan = geo.plan_input_gradient(conv, mode)
+        got = qnn_transpose_conv(
+            _pad_end(grad_output, plan.grad_output_pad_end),
+            weight,
+            plan.stride,
+            plan.pad_amount,
+            plan.output_padding,
+            plan.groups,
+        )
+        ratio = ratio_to_magnitude(got, want, scale)
+        assert ratio < 1e-12, f"plan({mode}) {plan} is off by {ratio:.3g} x magnitude"
+        if mode == "parameter":
+            # torch's own transposed convolution with the plan's parameters.
+            assert all(b == e for b, e in plan.pad_amount) and not any(plan.grad_output_pad_end)
+            transpose = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
+            torch_got = transpose[conv.spatial_dims - 1](
+                grad_output,
+                weight,
+                stride=plan.stride,
+                padding=tuple(b for b, _ in plan.pad_amount),
+                output_padding=plan.output_padding,
+                groups=plan.groups,
+            )
+            assert ratio_to_magnitude(torch_got, want, scale) < 1e-12
+
+
+# --- observing the emitted QNN ops -----------------------------------------------------------
+
+
+@dataclasses.dataclass
+class EmittedOp:
+    name: str
+    type: str
+    params: dict
+    inputs: list[str] = dataclasses.field(default_factory=list)
+    outputs: list[str] = dataclasses.field(default_factory=list)
+
+
+def _tensor_name(tensor) -> str:
+    get_name = getattr(tensor, "GetName", None)
+    return get_name() if get_name is not None else f"<unnamed {id(tensor)}>"
+
+
+@contextlib.contextmanager
+def recording_qnn_ops(monkeypatch_context):
+    """Every QNN op built while active: type, parameters and tensor names as handed
+    to executorch's op wrapper (the last step before the QNN API)."""
+    from executorch.backends.qualcomm.python import PyQnnManagerAdaptor as adaptor
+
+    emitted: list[EmittedOp] = []
+    base = adaptor.PyQnnOpWrapper
+
+    class Recording(base):
+        def __init__(self, name, package, op_type):
+            super().__init__(name, package, op_type)
+            self.emitted = EmittedOp(name, op_type, {})
+            emitted.append(self.emitted)
+
+        def AddInputTensors(self, tensors):  # noqa: N802
+            self.emitted.inputs += [_tensor_name(t) for t in tensors]
+            return super().AddInputTensors(tensors)
+
+        def AddOutputTensors(self, tensors):  # noqa: N802
+            self.emitted.outputs += [_tensor_name(t) for t in tensors]
+            return super().AddOutputTensors(tensors)
+
+        def AddTensorParam(self, name, dtype, rank, dims, data, copy):  # noqa: N802
+            self.emitted.params[name] = np.asarray(data).tolist()
+            return super().AddTensorParam(name, dtype, rank, dims, data, copy)
+
+        def AddScalarParam(self, name, dtype, attr):  # noqa: N802
+            (value,) = attr.values()
+            self.emitted.params[name] = value.item() if hasattr(value, "item") else value
+            return super().AddScalarParam(name, dtype, attr)
+
+    monkeypatch_context.setattr(adaptor, "PyQnnOpWrapper", Recording)
+    yield emitted
+
+
+def _nchw_dim(nhwc_dim: int, rank: int) -> int:
+    """QNN tensors are N<spatial>C; torch's are NC<spatial>."""
+    return {0: 0, rank - 1: 1}.get(nhwc_dim, nhwc_dim + 1)
+
+
+def _model_op(op: EmittedOp, x: torch.Tensor, weight_iohw: torch.Tensor) -> torch.Tensor | None:
+    """What ``op`` computes from ``x`` (its first input), for the ops on the
+    grad_output -> grad_input path; None for ops this model does not cover."""
+    rank = x.dim()
+    if op.type == "TransposeConv2d":
+        return qnn_transpose_conv(
+            x,
+            weight_iohw,
+            op.params["stride"],
+            op.params["pad_amount"],
+            op.params["output_padding"],
+            op.params["group"],
+        )
+    if op.type == "Pad":
+        amounts = op.params["pad_amount"]
+        assert op.params.get("scheme", 0) == 0 and op.params.get("pad_constant_value", 0) == 0
+        pads = [0] * (2 * rank)
+        for d, (begin, end) in enumerate(amounts):
+            i = _nchw_dim(d, rank)
+            pads[2 * (rank - 1 - i)], pads[2 * (rank - 1 - i) + 1] = begin, end
+        return F.pad(x, pads)
+    if op.type == "StridedSlice":
+        index = [slice(None)] * rank
+        for d, (begin, end, step) in enumerate(op.params["ranges"]):
+            index[_nchw_dim(d, rank)] = slice(begin, end, step)
+        return x[tuple(index)]
+    return None
+
+
+def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Tensor:
+    """Follow grad_output through the emitted Pad / TransposeConv2d / StridedSlice ops.
+
+    The parameters are the ones handed to QNN; the filter is taken as torch's
+    weight (the weight's own path is checked by the simulator runs).
+    """
+    tconvs = [op for op in emitted if op.type == "TransposeConv2d"]
+    assert tconvs, f"no TransposeConv2d among {[op.type for op in emitted]}"
+    producer = {out: op for op in emitted for out in op.outputs}
+    root = tconvs[-1].inputs[0]
+    while root in producer and producer[root].type in ("Pad", "StridedSlice"):
+        root = producer[root].inputs[0]
+    # conv weight OIHW = [C_in_t, C_out_t/g, k]
+    weight_iohw = dilated(built.module.weight.double(), built.config.dilation)
+    grad_output = built.inputs[0].double()
+    one_d = built.config.spatial_dims == 1
+    if one_d:  # lowered as 2-D with a unit height (passes/conv1d.py)
+        weight_iohw, grad_output = weight_iohw.unsqueeze(2), grad_output.unsqueeze(2)
+    values = {root: grad_output}
+    for op in emitted:
+        if op.inputs and op.inputs[0] in values:
+            result = _model_op(op, values[op.inputs[0]], weight_iohw)
+            if result is not None:
+                values[op.outputs[0]] = result
+    end = tconvs[-1].outputs[0]
+    consumer = {op.inputs[0]: op for op in emitted if op.type in ("Pad", "StridedSlice")}
+    while end in consumer:
+        end = consumer[end].outputs[0]
+    return values[end].squeeze(2) if one_d else values[end]
+
+
+def check_emitted(emitted: list[EmittedOp], built: cases.Built, tier: str) -> None:
+    (want, *_), (scale, *_) = reference64(built), magnitude64(built)
+    got = emitted_grad_input(emitted, built)
+    key = f"{tier}: emitted QNN params, model vs aten (x magnitude)"
+    ratio = ratio_to_magnitude(got, want, scale)
+    WORST[key] = max(WORST[key], ratio)
+    assert ratio < 1e-12, f"emitted QNN parameters give grad_input off by {ratio:.3g}"
+
+
+# --- logs --------------------------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if NOT_DELEGATED.match(record.getMessage()):
+            self.records.append(record)
+
+
+@contextlib.contextmanager
+def not_delegated_lines():
+    logger = logging.getLogger("qnn_convbwd")
+    handler, level = _Records(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def rule_of(record: logging.LogRecord) -> str:
+    return getattr(record, "convbwd_rule", None) or f"other: {record.getMessage()}"
+
+
+# --- tier 1: decisions and plans ----------------------------------------------------------------
+
+
+_TARGETS: dict[str, Target] = {}
+
+
+def target_for(soc: str) -> Target:
+    """Target from executorch compile specs for ``soc`` (no SDK needed to build them)."""
+    if soc not in _TARGETS:
+        from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+        from executorch.backends.qualcomm.utils.utils import (
+            generate_htp_compiler_spec,
+            generate_qnn_executorch_compiler_spec,
+        )
+
+        specs = generate_qnn_executorch_compiler_spec(
+            getattr(QcomChipset, soc), generate_htp_compiler_spec(use_fp16=True)
+        )
+        _TARGETS[soc] = Target.from_compile_specs(specs)
+    return _TARGETS[soc]
+
+
+def test_decisions(request):
+    n = _examples(request, 300, 3000)
+    stats = STATS["1 decisions"]
+
+    @_settings(n)
+    @given(drawn=conv_configs(), seed=st.integers(0, 2**16))
+    def run(drawn, seed):
+        config, soc = drawn
+        built = cases.build(config, seed)
+        (node,) = cases.conv_backward_nodes(built.program.graph)
+        with not_delegated_lines() as lines:
+            decision = support.decide(node, target_for(soc).with_program(built.program))
+        want = expected_rule(config, soc)
+        got = None if decision.supported else decision.rejection.rule
+        assert got == want, f"{config.describe()} on {soc}: {got} != {want}"
+        assert [rule_of(r) for r in lines] == ([want] if want else [])
+        stats["examples"] += 1
+        stats[f"rank {len(config.kernel) + 2}"] += 1
+        stats[want or "delegated"] += 1
+        if decision.supported and config.output_mask[0]:
+            check_plans(decision.conv, built)
+
+    run()
+    assert stats["examples"] >= n
+
+
+# --- tier 2: visitor and backend op validation, without compiling --------------------------------
+
+
+def _compile_specs(soc: str) -> list:
+    from qnn_convbwd.toolchain import harness
+
+    return harness.compile_specs(soc)
+
+
+def _qnn_edge(program, specs):
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
+    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
+    from executorch.exir import to_edge_transform_and_lower
+
+    passes = QnnPassManager()
+    aten = passes.transform_for_export_pipeline(program)
+    return to_edge_transform_and_lower(
+        aten,
+        transform_passes=passes.get_to_edge_transform_passes(aten, compiler_specs=specs),
+        compile_config=qnn_edge_config(),
+    ).exported_program()
+
+
+@pytest.mark.htp
+def test_visitor_and_validation(request, qnn_sdk, plugin):
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnOperatorSupport
+    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+
+    n = _examples(request, 15, 200)
+    stats = STATS["2 visitor + validation"]
+
+    @_settings(n)
+    @given(drawn=delegable, seed=st.integers(0, 2**16))
+    def run(drawn, seed):
+        config, soc = drawn
+        built = cases.build(config, seed)
+        specs = _compile_specs(soc)
+        edge = _qnn_edge(built.program, specs)
+        # The plugin's passes may have split the node (grad_input apart from
+        # grad_weight/grad_bias) or lifted a 1-D one to 2-D; judge each node.
+        nodes = cases.conv_backward_nodes(edge.graph)
+        with (
+            pytest.MonkeyPatch.context() as mp,
+            recording_qnn_ops(mp) as emitted,
+            not_delegated_lines() as lines,
+            QnnManagerContext({"forward": specs}),
+        ):
+            checker = QnnOperatorSupport(edge, specs, set(), set())
+            verdicts = []
+            for node in nodes:
+                supported = checker.is_node_supported(None, node)
+                getitems = [checker.is_node_supported(None, u) for u in node.users]
+                assert all(g == supported for g in getitems), node.name
+                mask = tuple(bool(m) for m in node.args[geo.OUTPUT_MASK])
+                want = expected_rule(dataclasses.replace(config, output_mask=mask), soc)
+                assert supported == (want is None), f"{config.describe()} on {soc}: {node}"
+                verdicts.append((mask, want))
+        rejected = sorted(w for _, w in verdicts if w)
+        assert sorted(rule_of(r) for r in lines) == rejected, config.describe()
+        stats["examples"] += 1
+        stats["nodes after the passes"] += len(nodes)
+        for _, want in verdicts:
+            stats[want or "delegated"] += 1
+        if any(mask[0] and want is None for mask, want in verdicts):
+            check_emitted(emitted, built, "2")
+        elif rejected == [w for _, w in verdicts]:
+            assert not emitted, "ops were built for a node the rules rejected"
+
+    run()
+    assert stats["examples"] >= n
+
+
+# --- tier 3: compile and run ---------------------------------------------------------------
+
+
+@pytest.mark.htp
+def test_compiled(request, qnn_sdk):
+    from qnn_convbwd.toolchain import harness
+
+    n = _examples(request, 15, 100)
+    stats = STATS["3 compiled + run"]
+
+    @_settings(n)
+    @given(drawn=delegable, seed=st.integers(0, 2**16))
+    def run(drawn, seed):
+        config, soc = drawn
+        built = cases.build(config, seed)
+        want = expected_rule(config, soc)
+        start = time.perf_counter()
+        with (
+            pytest.MonkeyPatch.context() as mp,
+            recording_qnn_ops(mp) as emitted,
+            not_delegated_lines() as lines,
+        ):
+            compiled = harness.lower_program(built.program, soc)
+        stats["lowering seconds"] += round(time.perf_counter() - start)
+        (row,) = compiled.report.rows
+        assert [rule_of(r) for r in lines] == ([want] if want else []), config.describe()
+        assert row.delegated == (want is None), f"{config.describe()} on {soc}: {row.reason}"
+        stats["examples"] += 1
+        stats[want or "delegated"] += 1
+
+        expected = built.expected(built.inputs)
+        magnitude = built.magnitude(built.inputs)
+        if not row.delegated:
+            assert not [op for op in emitted if op.type == "TransposeConv2d"]
+        if row.delegated:
+            assert harness.delegate_count(compiled.edge) == 1
+            if config.output_mask[0]:
+                check_emitted(emitted, built, "3")
+            actual = compiled.run(built.inputs)
+            ratio = cases.assert_matches(
+                actual, expected, magnitude, cases.FP16_RTOL, config.describe()
+            )
+            WORST["3: simulator vs torch (x FP16_RTOL of magnitude)"] = max(
+                WORST["3: simulator vs torch (x FP16_RTOL of magnitude)"], ratio
+            )
+            WORST["3: simulator vs torch, max abs error"] = max(
+                WORST["3: simulator vs torch, max abs error"],
+                max(float((a - e).abs().max()) for a, e in zip(actual, expected)),
+            )
+            WORST["3: max |grad_input| compared"] = max(
+                WORST["3: max |grad_input| compared"], float(expected[0].abs().max())
+            )
+        elif config.spatial_dims == 2:
+            actual = compiled.run(built.inputs)
+            ratio = cases.assert_matches(
+                actual, expected, magnitude, cases.cpu_rtol(config), config.describe()
+            )
+            stats["fallback run on CPU"] += 1
+            WORST["3: CPU fallback vs torch (x cpu_rtol)"] = max(
+                WORST["3: CPU fallback vs torch (x cpu_rtol)"], ratio
+            )
+        else:
+            # executorch's portable kernel computes 2-D convolution_backward only
+            # (tests/test_gates.py shows it refusing); nothing to run.
+            stats["fallback not run (CPU kernel is 2-D only)"] += 1
+
+    run()
+    assert stats["examples"] >= n
+
+
+# --- summary -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def property_summary(request):
+    start = time.perf_counter()
+    yield
+    if not STATS:
+        return
+    summary = {
+        "seconds": round(time.perf_counter() - start, 1),
+        "slow": bool(request.config.getoption("--slow")),
+        "capabilities": sorted(support.CAPABILITIES),
+        "tiers": {tier: dict(sorted(counts.items())) for tier, counts in sorted(STATS.items())},
+        "worst": {k: float(f"{v:.3g}") for k, v in sorted(WORST.items())},
+    }
+    cache = getattr(request.config, "cache", None)
+    if cache is not None:
+        cache.set("qnn_convbwd/property_stats", summary)
+    plugins = request.config.pluginmanager
+    reporter = plugins.get_plugin("terminalreporter")
+    capture = plugins.get_plugin("capturemanager")
+    if reporter is not None:
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            reporter.write_line("")
+            reporter.write_line("qnn_convbwd property summary:")
+            for line in json.dumps(summary, indent=2).splitlines():
+                reporter.write_line("  " + line)
+
+
+# --- the model has teeth ----------------------------------------------------------------------
+
+
+def test_model_notices_any_wrong_parameter():
+    """Each single wrong TransposeConv2d / Pad parameter changes the modelled grad_input."""
+    config = cases.ConvConfig(
+        in_channels=4, out_channels=6, kernel=(3, 2), input_size=(10, 10), stride=(2, 3),
+        padding=(1, 0), groups=2,
+    )  # fmt: skip
+    built = cases.build(config, seed=3)
+    conv = geo.parse(cases.conv_backward_nodes(built.program.graph)[0])
+    (want, *_), (scale, *_) = reference64(built), magnitude64(built)
+
+    def emitted_for(plan) -> list[EmittedOp]:
+        tconv_in = "grad_output"
+        ops = []
+        if any(plan.grad_output_pad_end):
+            amounts = [[0, 0], *([0, e] for e in plan.grad_output_pad_end), [0, 0]]
+            ops.append(EmittedOp("pad", "Pad", {"pad_amount": amounts}, [tconv_in], ["padded"]))
+            tconv_in = "padded"
+        params = {
+            "stride": list(plan.stride),
+            "pad_amount": [list(p) for p in plan.pad_amount],
+            "output_padding": list(plan.output_padding),
+            "group": plan.groups,
+        }
+        ops.append(EmittedOp("tconv", "TransposeConv2d", params, [tconv_in, "w"], ["grad_input"]))
+        return ops
+
+    def off_by(plan) -> float:
+        try:
+            got = emitted_grad_input(emitted_for(plan), built)
+        except RuntimeError:  # e.g. groups that do not divide the channels
+            return math.inf
+        return math.inf if got.shape != want.shape else ratio_to_magnitude(got, want, scale)
+
+    for mode in ("parameter", "fold"):
+        plan = geo.plan_input_gradient(conv, mode)
+        assert off_by(plan) < 1e-12, mode
+        # output_padding (1, 2): with "fold" the second one reaches beyond the full extent.
+        assert any(plan.output_padding if mode == "parameter" else plan.grad_output_pad_end)
+        wrong = [
+            dataclasses.replace(plan, stride=(plan.stride[0], plan.stride[1] - 1)),
+            dataclasses.replace(plan, pad_amount=((2, 1), *plan.pad_amount[1:])),
+            dataclasses.replace(plan, pad_amount=(*plan.pad_amount[:1], (1, 0))),
+            dataclasses.replace(plan, groups=1),
+        ]
+        if mode == "parameter":
+            wrong.append(dataclasses.replace(plan, output_padding=(0, 0)))
+        else:
+            wrong.append(dataclasses.replace(plan, grad_output_pad_end=(0, 0)))
+        for bad in wrong:
+            assert off_by(bad) > 1e-3, f"{mode}: {bad} not noticed"

@@ -12,7 +12,10 @@ class Options:
     # parameter where the HTP computes it wrongly (depthwise; beyond full extent).
     output_padding: str = "auto"
     # How grad_input is built: a key of builders.input_gradient.FORMULATIONS.
-    input_gradient: str = "transpose_conv"
+    # "runtime_weight" stores a weight shared with a forward Conv2d once (the
+    # filter of both ops is computed at run time); "transpose_conv" keeps static
+    # filters and stores the weight twice (see README, "Weight stored once").
+    input_gradient: str = "runtime_weight"
 
 
 current = Options()

@@ -94,6 +94,7 @@ def _graph_result() -> bench.GraphResult:
     plugin = bench.ModeResult("plugin", partitions=1, cpu_ops=2, conv_bwd_on_cpu=1)
     plugin.static_bytes, plugin.context_binary_bytes = 33420, 172288
     plugin.lower_seconds, plugin.max_abs_error, plugin.extra_outputs = [3.0, 1.0, 2.0], 6e-5, 1
+    plugin.lower_process_seconds = [2.5, 0.5, 1.5]
     cpu = bench.ModeResult("kept_on_cpu", partitions=5, cpu_ops=7, conv_bwd_on_cpu=6)
     cpu.lower_seconds, cpu.run_error = [2.0], "RuntimeError: simulator process crashed: boom"
     plain = bench.ModeResult("plain", error="I64toI32 pass: AttributeError: x")
@@ -106,7 +107,7 @@ def test_markdown_table_shows_failures_instead_of_numbers():
     rows = bench.markdown_table([_graph_result()]).splitlines()[2:]
     plugin, cpu, plain = rows
     assert plugin.startswith("| resnet 16px frozen | plugin | 1 | 2 | 1 of 6 | 33,420 / 33,376 |")
-    assert "| 172,288 / 102,656 | 2.00 | 6.0e-05 |" in plugin  # median of 3.0, 1.0, 2.0
+    assert "| 172,288 / 102,656 | 2.00 / 1.50 | 6.0e-05 |" in plugin  # medians
     assert "1 output(s) beyond the signature" in plugin
     assert "| run failed | simulator: `RuntimeError: simulator process crashed: boom` |" in cpu
     assert "| — | — |" in plain and "lowering fails: `I64toI32 pass: AttributeError: x`" in plain

@@ -9,7 +9,7 @@ Three tiers, cheapest first (example counts: default run / ``--slow``):
    and for delegated nodes the transposed-convolution plan reproduces
    ``aten.convolution_backward``'s grad_input (through a model of QNN
    TransposeConv2d, and through torch's ``conv_transpose``).
-2. ``test_visitor_and_validation`` (15 / 200): executorch's QNN passes, then
+2. ``test_visitor_and_validation`` (15 / 100): executorch's QNN passes, then
    executorch's support check (patched by the plugin): the QNN ops the visitor
    emits, parameters read back at the QNN op wrapper, reproduce grad_input, and
    the HTP backend's op validation accepts them.
@@ -461,7 +461,7 @@ def test_visitor_and_validation(request, qnn_sdk, plugin):
     from executorch.backends.qualcomm.partition.qnn_partitioner import QnnOperatorSupport
     from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
 
-    n = _examples(request, 15, 200)
+    n = _examples(request, 15, 100)
     stats = STATS["2 visitor + validation"]
 
     @_settings(n)

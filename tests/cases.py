@@ -116,7 +116,8 @@ class ConvBackwardModule(nn.Module):
         outs = torch.ops.aten.convolution_backward.default(
             grad_output, input, w, *self.config.args()
         )
-        return tuple(o for o in outs if o is not None)
+        # By output_mask, not "is not None": eager grouped kernels return grad_weight unasked.
+        return tuple(o for o, asked in zip(outs, self.config.output_mask) if asked)
 
     def magnitude(self, grad_output: torch.Tensor, input: torch.Tensor, *weight: torch.Tensor):
         """The outputs computed from absolute values: per element, the sum of |terms|.
@@ -127,7 +128,7 @@ class ConvBackwardModule(nn.Module):
         outs = torch.ops.aten.convolution_backward.default(
             grad_output.abs(), input.abs(), w.abs(), *self.config.args()
         )
-        return tuple(o for o in outs if o is not None)
+        return tuple(o for o, asked in zip(outs, self.config.output_mask) if asked)
 
 
 @dataclasses.dataclass
@@ -359,6 +360,22 @@ CASES: tuple[Case, ...] = (
         "static_shapes",
         None,
         dynamic_batch=(1, 4),
+    ),
+    # An HTP compiler failure on the grad_weight Conv2d (see the rule).
+    Case(
+        "depthwise_grad_weight_1x1",
+        dataclasses.replace(
+            _BASE,
+            in_channels=2,
+            out_channels=2,
+            groups=2,
+            kernel=(1, 2),
+            input_size=(1, 2),
+            padding=(0, 0),
+            output_mask=(True, True, False),
+        ),
+        "compilable_grad_weight",
+        None,
     ),
     # grad_output 8x8 from a 10x10 input with stride 1: no forward convolution
     # produces that, and TransposeConv would need output_padding 2 >= stride.

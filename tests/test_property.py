@@ -132,6 +132,16 @@ def expected_rule(config: cases.ConvConfig, soc: str) -> str | None:
         return "spatial_dims"
     if any(d > 1 for d in config.dilation) and "dilation" not in support.CAPABILITIES:
         return "dilation"
+    out_size = config.forward_output_size()
+    padded = [i + 2 * p for i, p in zip(config.input_size, config.padding)]
+    if (
+        config.output_mask[1]
+        and 1 < config.groups == config.in_channels
+        and config.batch == 1
+        and all(o == 1 for o in out_size)
+        and (config.spatial_dims == 1 or 1 in padded)
+    ):
+        return "compilable_grad_weight"  # an HTP compiler failure (see the rule)
     return None
 
 

@@ -91,11 +91,15 @@ def test_scaling_summary_growth_and_plugin_over_kept_ratio():
 
 def _graph_result() -> bench.GraphResult:
     spec = bench.GraphSpec("resnet", 16, False)
-    plugin = bench.ModeResult("plugin", partitions=1, cpu_ops=2, conv_bwd_on_cpu=1)
+    plugin = bench.ModeResult(
+        "plugin", partitions=1, cpu_ops=2, conv_bwd_on_cpu=1, conv_bwd_delegated=5
+    )
     plugin.static_bytes, plugin.context_binary_bytes = 33420, 172288
     plugin.lower_seconds, plugin.max_abs_error, plugin.extra_outputs = [3.0, 1.0, 2.0], 6e-5, 1
     plugin.lower_process_seconds = [2.5, 0.5, 1.5]
-    cpu = bench.ModeResult("kept_on_cpu", partitions=5, cpu_ops=7, conv_bwd_on_cpu=6)
+    cpu = bench.ModeResult(
+        "kept_on_cpu", partitions=5, cpu_ops=12, conv_bwd_on_cpu=11, conv_bwd_delegated=0
+    )
     cpu.lower_seconds, cpu.run_error = [2.0], "RuntimeError: simulator process crashed: boom"
     plain = bench.ModeResult("plain", error="I64toI32 pass: AttributeError: x")
     return bench.GraphResult(
@@ -109,6 +113,9 @@ def test_markdown_table_shows_failures_instead_of_numbers():
     assert plugin.startswith("| resnet 16px frozen | plugin | 1 | 2 | 1 of 6 | 33,420 / 33,376 |")
     assert "| 172,288 / 102,656 | 2.00 / 1.50 | 6.0e-05 |" in plugin  # medians
     assert "1 output(s) beyond the signature" in plugin
+    assert cpu.startswith(
+        "| resnet 16px frozen | plugin, conv_bwd kept on CPU | 5 | 12 | 11 of 11 (6 exported) |"
+    )
     assert "| run failed | simulator: `RuntimeError: simulator process crashed: boom` |" in cpu
     assert "| — | — |" in plain and "lowering fails: `I64toI32 pass: AttributeError: x`" in plain
 
@@ -173,12 +180,13 @@ def test_counts_on_lowered_programs_with_and_without_the_plugin(qnn_sdk, small_g
     counts = bench.graph_counts(result.edge.exported_program().graph_module)
     on_cpu = [r for r in result.report.rows if not r.delegated]
     assert counts["conv_bwd_on_cpu"] == len(on_cpu) < total
+    assert counts["conv_bwd_on_cpu"] + counts["conv_bwd_delegated"] >= total  # splits add nodes
     assert counts["partitions"] == harness.delegate_count(result.edge)
 
     kept = bench.lower_with_plugin(copy.deepcopy(small_graph.program), specs, {bench.CONV_BWD})
     graph = kept.exported_program().graph_module
     counts_kept = bench.graph_counts(graph)
-    assert counts_kept["conv_bwd_on_cpu"] == total
+    assert counts_kept["conv_bwd_on_cpu"] == total and counts_kept["conv_bwd_delegated"] == 0
     cpu_targets = [
         getattr(n.target, "__name__", "")
         for n in graph.graph.nodes

@@ -818,17 +818,18 @@ def draw_chart(graphs: Sequence[dict], path: Path) -> None:
             modes = [g["modes"].get(mode, {}) for g in graphs]
             values = [m.get(field) for m in modes]
             xs = [xi + (i - 1) * width for xi in x]
-            bars = ax.bar(
-                xs, [v or 0 for v in values], width, label=MODE_LABELS[mode], color=colours[mode]
-            )
+            label = MODE_LABELS[mode]
+            if any(m.get("error") for m in modes):
+                label += " (red: lowering fails)"
+            bars = ax.bar(xs, [v or 0 for v in values], width, label=label, color=colours[mode])
             for bar, v, m in zip(bars, values, modes):
                 failed = v is None and m.get("error")
                 ax.annotate(
-                    "lowering\nfails" if failed else ("n/a" if v is None else str(v)),
+                    "fails" if failed else ("n/a" if v is None else str(v)),
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center",
                     va="bottom",
-                    fontsize=7 if failed else 8,
+                    fontsize=8,
                     color="#d62728" if failed else "black",
                 )
             top = max(top, *[v or 0 for v in values])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import logging
 import operator
@@ -25,6 +26,11 @@ _state_lock = threading.Lock()
 # Latest support decision per node name, written while partitioning.
 _decisions: dict[str, support.Decision] = {}
 _TARGET_ATTR = "_qnn_convbwd_target"
+_SKIP_ATTR = "_qnn_convbwd_skip"
+# True while a node's users are checked on its behalf (their rejections are not logged twice).
+_nested_check: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "qnn_convbwd_nested_check", default=False
+)
 
 
 def _conv_bwd_edge_op():
@@ -54,32 +60,49 @@ def _record(node: torch.fx.Node, decision: support.Decision) -> None:
 # --- hooks called from the patched executorch code ----------------------------
 
 
-def _on_support_init(checker, edge_program, compiler_specs) -> None:
+def _on_support_init(checker, edge_program, compiler_specs, skip_ids, skip_ops) -> None:
     setattr(checker, _TARGET_ATTR, Target.from_compile_specs(compiler_specs, edge_program))
+    setattr(checker, _SKIP_ATTR, (set(skip_ids or ()), set(skip_ops or ())))
+
+
+def _skipped(checker, node: torch.fx.Node) -> bool:
+    """Whether executorch's skip options keep ``node`` on CPU."""
+    skip_ids, skip_ops = getattr(checker, _SKIP_ATTR, (set(), set()))
+    return node.name in skip_ids or node.target.__name__ in skip_ops
 
 
 def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
     target: Target | None = getattr(checker, _TARGET_ATTR, None)
     if target is not None and _is_conv_bwd(node):
-        decision = support.decide(node, target)
+        decision = support.decide(node, target, log=not _nested_check.get())
         if not decision.supported:
             _record(node, decision)
+            return False
+        if _skipped(checker, node):
+            rejection = support.Rejection("skip", "kept on CPU by executorch's skip options", "")
+            _record(node, support.Decision(node.name, decision.conv, rejection))
             return False
         if not original():
             rejection = support.Rejection(
                 "backend_validation", "rejected by the QNN backend's op validation", target.soc
             )
-            logger.warning(rejection.message(node.name))
+            if not _nested_check.get():
+                logger.warning(rejection.message(node.name))
             _record(node, support.Decision(node.name, decision.conv, rejection))
             return False
         _record(node, decision)
         return True
     if target is not None and node.meta.get(SHAPE_OF):
-        # A full standing in for a convolution_backward input: delegated with its consumer.
-        consumers = [u for u in node.users if _is_conv_bwd(u)]
-        if not all(support.decide(u, target, log=False).supported for u in consumers):
-            return False
-        return original()
+        # A full the plugin inserted (a shape-only stand-in) is delegated only together
+        # with every consumer: alone it would be a constant delegate output, which QNN
+        # does not bind (the runtime then reads past its argument list). The consumers'
+        # verdict includes executorch's skip options, which the transform pass cannot see.
+        token = _nested_check.set(True)  # the users log their own verdicts when visited
+        try:
+            users_delegated = all(checker.is_node_supported(None, user) for user in node.users)
+        finally:
+            _nested_check.reset(token)
+        return users_delegated and original()
     if (
         target is not None
         and node.op == "call_function"
@@ -87,8 +110,13 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
         and isinstance(node.args[0], torch.fx.Node)
         and _is_conv_bwd(node.args[0])
     ):
-        # A getitem is always "supported" upstream; one of a CPU node must stay on CPU.
-        return support.decide(node.args[0], target, log=False).supported
+        # A getitem is always "supported" upstream; one of a CPU node must stay on CPU
+        # (the producer's verdict includes executorch's skip options).
+        token = _nested_check.set(True)
+        try:
+            return checker.is_node_supported(None, node.args[0])
+        finally:
+            _nested_check.reset(token)
     return original()
 
 
@@ -224,7 +252,10 @@ def _row(name: str, conv: geo.ConvBackward, delegated: bool, skipped: set | None
     if delegated:
         reason = "delegated"
     elif decision is not None and decision.rejection is not None:
-        reason = f"{decision.rejection.reason} ({decision.rejection.values})"
+        rejection = decision.rejection
+        reason = (
+            f"{rejection.reason} ({rejection.values})" if rejection.values else rejection.reason
+        )
     elif skipped and name in skipped:
         reason = "skipped by skip_node_id_set"
     else:

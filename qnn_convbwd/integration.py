@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import importlib
 import importlib.metadata
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -218,7 +219,8 @@ class Hooks:
 
     visitor_targets: dict[str, type]  # "aten.convolution_backward.default" -> visitor class
     layout_sensitive_ops: tuple  # edge ops the layout pass must treat as NHWC
-    on_support_init: Callable[[Any, Any, Any], None]  # (checker, edge_program, compiler_specs)
+    # (checker, edge_program, compiler_specs, skip_node_id_set, skip_node_op_set)
+    on_support_init: Callable[[Any, Any, Any, Any, Any], None]
     is_node_supported: Callable[[Callable, Any, Any], bool]  # (original, checker, node)
     transform_pass: type  # added to QnnPassManager's to_edge transform passes
     layout_edge_condition: Callable[[Callable, Any, Any], bool]  # (original, pass, node)
@@ -286,7 +288,18 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
     def support_init(self, edge_program, compiler_specs, *args, **kwargs):
         orig_init(self, edge_program, compiler_specs, *args, **kwargs)
-        hooks.on_support_init(self, edge_program, compiler_specs)
+        bound = (
+            inspect.signature(orig_init)
+            .bind(self, edge_program, compiler_specs, *args, **kwargs)
+            .arguments
+        )
+        hooks.on_support_init(
+            self,
+            edge_program,
+            compiler_specs,
+            bound.get("skip_node_id_set"),
+            bound.get("skip_node_op_set"),
+        )
 
     p.set_attr(support_cls, "__init__", support_init)
 

@@ -417,3 +417,23 @@ def test_output_padding_parameter_is_still_defective(qnn_sdk, config):
     with qnn_convbwd.enabled(output_padding="parameter"):
         compiled = harness.lower_program(bank.export(), "SM8650")
     _check_bank(compiled, bank)
+
+
+def test_skip_options_keep_every_node_on_cpu_and_the_program_runs(qnn_sdk):
+    """executorch's skip option wins over the rules; no shape-only stand-in or getitem
+    of a skipped node is delegated on its own (that crashed the runtime before)."""
+    from qnn_convbwd.toolchain import harness
+
+    graph = models.training_graph("demo", size=15, trainable_backbone=True)
+    compiled = harness.lower_program(
+        graph.program, "SM8650", skip_node_op_set={"aten.convolution_backward.default"}
+    )
+    assert compiled.report.rows and not any(r.delegated for r in compiled.report.rows)
+    assert all("skip" in r.reason or "not partitioned" in r.reason for r in compiled.report.rows)
+    reference = graph.reference()
+    for got, expected in zip(
+        _user_outputs(compiled.run(graph.inputs), reference), reference, strict=True
+    ):
+        torch.testing.assert_close(
+            got, expected, rtol=0, atol=5e-3 * expected.abs().max().item() + 1e-6
+        )

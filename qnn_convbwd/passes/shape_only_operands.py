@@ -70,6 +70,7 @@ def replace_shape_only_operands(
             continue
         if node.target == ops.full_like.default and _static(node.meta.get("val")):
             full = _insert_full(graph, node, node.meta["val"], node.args[1], f"{node.name}_full")
+            full.meta[SHAPE_OF] = node.name
             node.replace_all_uses_with(full)
             graph.erase_node(node)
             replaced += 1
@@ -94,10 +95,20 @@ class ReplaceShapeOnlyOperands(PassBase):
     """to_edge transform pass: ``lift_conv1d``, ``split_input_gradient``, then
     ``replace_shape_only_operands``, each on the nodes the support rules delegate."""
 
-    def __init__(self, edge_program=None, compiler_specs=None) -> None:
+    def __init__(
+        self,
+        edge_program=None,
+        compiler_specs=None,
+        skip_node_id_set=None,
+        skip_node_op_set=None,
+    ) -> None:
         super().__init__()
         self.edge_program = edge_program
         self.compiler_specs = compiler_specs
+        # executorch's QnnPartitioner skip options: nodes they keep on CPU are not
+        # rewritten (the pass manager hands them to passes that ask for them).
+        self.skip_node_id_set = set(skip_node_id_set or ())
+        self.skip_node_op_set = set(skip_node_op_set or ())
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         from ..partition import support
@@ -112,6 +123,10 @@ class ReplaceShapeOnlyOperands(PassBase):
         from .split_gradients import split_input_gradient
 
         def delegated(node: torch.fx.Node) -> bool:
+            if node.name in self.skip_node_id_set:
+                return False
+            if node.target.__name__ in self.skip_node_op_set:
+                return False
             return support.decide(node, target, log=False).supported
 
         changed = lift_conv1d(graph_module, self.edge_program, delegated)

@@ -23,11 +23,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
+    broken: dict[str, str] = {}
     for name, (module_name, help_text) in COMMANDS.items():
-        module = importlib.import_module(module_name)
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as err:  # one broken subcommand must not take the others down
+            broken[name] = f"{module_name}: {err}"
+            continue
         modules[name] = module
-        module.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        module.add_arguments(command)
     args = parser.parse_args(argv)
+    if args.command in broken:
+        print(f"qnn-convbwd {args.command}: cannot load {broken[args.command]}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",

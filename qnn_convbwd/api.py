@@ -18,7 +18,8 @@ from .builders import conv_geometry as geo
 from .partition import support
 from .partition.target import Target
 from .passes import layout, preserve_output_dtypes, record_output_dtypes
-from .passes.shape_only_operands import SHAPE_OF, ReplaceShapeOnlyOperands
+from .passes.canonicalize import CanonicalizeConvolutionBackward
+from .passes.shape_only_operands import SHAPE_OF
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def _hooks() -> integration.Hooks:
     hooks.layout_sensitive_ops = (_conv_bwd_edge_op(),)
     hooks.on_support_init = _on_support_init
     hooks.is_node_supported = _is_node_supported
-    hooks.transform_pass = ReplaceShapeOnlyOperands
+    hooks.transform_pass = CanonicalizeConvolutionBackward
     hooks.layout_edge_condition = layout.is_edge_condition
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes

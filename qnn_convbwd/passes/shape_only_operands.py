@@ -12,11 +12,12 @@ same information inside the partition. The input of a convolution_backward is
 replaced only for nodes the support rules delegate: a node that stays on CPU
 keeps its operands exactly as they were.
 
-executorch forbids partitioners to change the graph, so this runs as one of
-QnnPassManager's to_edge transform passes. When the pass manager is given the
-compile specs, the decision is final here; without them the target-dependent
-rules are left to the partitioner, and the inserted ``full`` carries
-``SHAPE_OF`` so the partitioner keeps it on CPU when its consumer stays there.
+executorch forbids partitioners to change the graph, so this runs inside
+``canonicalize.CanonicalizeConvolutionBackward``, a to_edge transform pass.
+When the pass manager is given the compile specs, the decision is final
+here; without them the target-dependent rules are left to the partitioner,
+and the inserted ``full`` carries ``SHAPE_OF`` so the partitioner keeps it
+on CPU when its consumer stays there.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import logging
 from collections.abc import Callable
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration
 from ..builders import conv_geometry as geo
@@ -89,47 +89,3 @@ def replace_shape_only_operands(
         graph_module.recompile()
         logger.debug("replaced %d shape-only operands by full", replaced)
     return replaced
-
-
-class ReplaceShapeOnlyOperands(PassBase):
-    """to_edge transform pass: ``lift_conv1d``, ``split_input_gradient``, then
-    ``replace_shape_only_operands``, each on the nodes the support rules delegate."""
-
-    def __init__(
-        self,
-        edge_program=None,
-        compiler_specs=None,
-        skip_node_id_set=None,
-        skip_node_op_set=None,
-    ) -> None:
-        super().__init__()
-        self.edge_program = edge_program
-        self.compiler_specs = compiler_specs
-        # executorch's QnnPartitioner skip options: nodes they keep on CPU are not
-        # rewritten (the pass manager hands them to passes that ask for them).
-        self.skip_node_id_set = set(skip_node_id_set or ())
-        self.skip_node_op_set = set(skip_node_op_set or ())
-
-    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        from ..partition import support
-        from ..partition.target import Target
-
-        target = (
-            Target.from_compile_specs(self.compiler_specs, self.edge_program)
-            if self.compiler_specs
-            else Target.unknown(self.edge_program)
-        )
-        from .conv1d import lift_conv1d
-        from .split_gradients import split_input_gradient
-
-        def delegated(node: torch.fx.Node) -> bool:
-            if node.name in self.skip_node_id_set:
-                return False
-            if node.target.__name__ in self.skip_node_op_set:
-                return False
-            return support.decide(node, target, log=False).supported
-
-        changed = lift_conv1d(graph_module, self.edge_program, delegated)
-        changed += split_input_gradient(graph_module, delegated)
-        changed += replace_shape_only_operands(graph_module, delegated)
-        return PassResult(graph_module, changed > 0)

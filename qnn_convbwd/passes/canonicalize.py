@@ -1,0 +1,61 @@
+"""The plugin's to_edge transform pass: convolution_backward ready for partitioning.
+
+Three rewrites, each applied only to nodes the support rules delegate (and that
+executorch's skip options do not keep on CPU), in this order:
+
+1. ``conv1d.lift_conv1d``: 1-D nodes become 2-D nodes with a unit height;
+2. ``split_gradients.split_input_gradient``: grad_input is split from
+   grad_weight / grad_bias;
+3. ``shape_only_operands.replace_shape_only_operands``: operands read only for
+   their shape become a static-shape ``full``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from ..partition import support
+from ..partition.target import Target
+from .conv1d import lift_conv1d
+from .shape_only_operands import replace_shape_only_operands
+from .split_gradients import split_input_gradient
+
+
+class CanonicalizeConvolutionBackward(PassBase):
+    def __init__(
+        self,
+        edge_program=None,
+        compiler_specs=None,
+        skip_node_id_set=None,
+        skip_node_op_set=None,
+    ) -> None:
+        super().__init__()
+        self.edge_program = edge_program
+        self.compiler_specs = compiler_specs
+        # executorch's QnnPartitioner skip options (the pass manager hands them to
+        # passes whose __init__ asks for them): nodes they keep on CPU stay as they are.
+        self.skip_node_id_set = set(skip_node_id_set or ())
+        self.skip_node_op_set = set(skip_node_op_set or ())
+
+    def _delegated(self, target: Target):
+        def delegated(node: torch.fx.Node) -> bool:
+            if node.name in self.skip_node_id_set:
+                return False
+            if node.target.__name__ in self.skip_node_op_set:
+                return False
+            return support.decide(node, target, log=False).supported
+
+        return delegated
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        target = (
+            Target.from_compile_specs(self.compiler_specs, self.edge_program)
+            if self.compiler_specs
+            else Target.unknown(self.edge_program)
+        )
+        delegated = self._delegated(target)
+        changed = lift_conv1d(graph_module, self.edge_program, delegated)
+        changed += split_input_gradient(graph_module, delegated)
+        changed += replace_shape_only_operands(graph_module, delegated)
+        return PassResult(graph_module, changed > 0)

@@ -72,6 +72,21 @@ def _skipped(checker, node: torch.fx.Node) -> bool:
     return node.name in skip_ids or node.target.__name__ in skip_ops
 
 
+def _would_delegate(checker, target: Target, node: torch.fx.Node) -> bool:
+    """The partitioner's verdict on ``node``, asked on behalf of another node.
+
+    A convolution_backward is judged by the rules and the skip options without
+    building its ops again; any other node by the checker itself, quietly.
+    """
+    if _is_conv_bwd(node):
+        return support.decide(node, target, log=False).supported and not _skipped(checker, node)
+    token = _nested_check.set(True)  # the node logs its own verdict when visited
+    try:
+        return checker.is_node_supported(None, node)
+    finally:
+        _nested_check.reset(token)
+
+
 def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
     target: Target | None = getattr(checker, _TARGET_ATTR, None)
     if target is not None and _is_conv_bwd(node):
@@ -98,11 +113,7 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
         # with every consumer: alone it would be a constant delegate output, which QNN
         # does not bind (the runtime then reads past its argument list). The consumers'
         # verdict includes executorch's skip options, which the transform pass cannot see.
-        token = _nested_check.set(True)  # the users log their own verdicts when visited
-        try:
-            users_delegated = all(checker.is_node_supported(None, user) for user in node.users)
-        finally:
-            _nested_check.reset(token)
+        users_delegated = all(_would_delegate(checker, target, user) for user in node.users)
         return users_delegated and original()
     if (
         target is not None
@@ -112,12 +123,8 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
         and _is_conv_bwd(node.args[0])
     ):
         # A getitem is always "supported" upstream; one of a CPU node must stay on CPU
-        # (the producer's verdict includes executorch's skip options).
-        token = _nested_check.set(True)
-        try:
-            return checker.is_node_supported(None, node.args[0])
-        finally:
-            _nested_check.reset(token)
+        # (including one executorch's skip options keep there).
+        return _would_delegate(checker, target, node.args[0])
     return original()
 
 

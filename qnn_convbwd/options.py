@@ -4,25 +4,56 @@ from __future__ import annotations
 
 import dataclasses
 
+# How TransposeConv2d's output padding is expressed (builders.conv_geometry.plan_input_gradient):
+#   "auto"      the parameter where the HTP computes it right, else "fold";
+#   "parameter" always the parameter (reproduces the HTP defects; for tests);
+#   "fold"      never the parameter.
+OUTPUT_PADDING_MODES = ("auto", "parameter", "fold")
 
-@dataclasses.dataclass
+# How a stride > 1 of the forward convolution is expressed in grad_input:
+#   "zero_insert" grad_output upsampled with zeros, then a stride-1 TransposeConv2d,
+#                 the output padding folded into its end crop;
+#   "parameter"   TransposeConv2d's stride parameter (``output_padding`` applies).
+# Measured with QAIRT 2.51: for a strided TransposeConv2d the HTP compiler stores
+# per-phase copies of the filter, static (1.8x a 3x3 stride-2 weight) or prepared
+# from a runtime filter (+0.10x); with stride 1 it stores none. See the README,
+# "Weight stored once".
+STRIDE_MODES = ("zero_insert", "parameter")
+
+# How grad_input is built: keys of builders.input_gradient.FORMULATIONS.
+#   "runtime_weight" stores a weight shared with a forward Conv2d once (the filter
+#                    of both ops is computed at run time);
+#   "transpose_conv" keeps static filters and stores the weight twice.
+INPUT_GRADIENT_FORMULATIONS = ("runtime_weight", "transpose_conv")
+
+
+@dataclasses.dataclass(frozen=True)
 class Options:
-    # How TransposeConv2d's output padding is expressed: "auto", "parameter" or
-    # "fold" (see builders.conv_geometry.plan_input_gradient). "auto" avoids the
-    # parameter where the HTP computes it wrongly (depthwise; beyond full extent).
     output_padding: str = "auto"
-    # How grad_input is built: a key of builders.input_gradient.FORMULATIONS.
-    # "runtime_weight" stores a weight shared with a forward Conv2d once (the
-    # filter of both ops is computed at run time); "transpose_conv" keeps static
-    # filters and stores the weight twice (see README, "Weight stored once").
+    stride: str = "zero_insert"
     input_gradient: str = "runtime_weight"
+
+    def __post_init__(self) -> None:
+        for field, choices in (
+            ("output_padding", OUTPUT_PADDING_MODES),
+            ("stride", STRIDE_MODES),
+            ("input_gradient", INPUT_GRADIENT_FORMULATIONS),
+        ):
+            value = getattr(self, field)
+            if value not in choices:
+                raise ValueError(
+                    f"qnn_convbwd option {field}={value!r} is not one of {', '.join(choices)}"
+                )
 
 
 current = Options()
 
 
 def update(**overrides: object) -> Options:
-    """Apply ``overrides`` to the current options; unknown names raise TypeError."""
+    """Apply ``overrides`` to the current options.
+
+    Unknown names raise TypeError, unknown values ValueError (naming the choices).
+    """
     global current
     current = dataclasses.replace(current, **overrides)
     return current

@@ -182,6 +182,7 @@ class Measurement:
     formulation: str
     weight_bytes: int
     programs: dict[str, ProgramBytes]
+    stride_mode: str = "zero_insert"  # Options.stride
     forward_error: float | None = None  # fwd+bwd program on the simulator vs torch
     grad_input_error: float | None = None
     run_seconds: float | None = None  # one simulator execution of fwd+bwd
@@ -200,12 +201,20 @@ class Measurement:
         return not any(p.on_cpu for p in self.programs.values())
 
 
-def lower(config: ConvConfig, program: str, soc: str, formulation: str, seed: int = 0):
-    """Compile one program with ``formulation``: (module, inputs, Compiled, seconds)."""
+def lower(
+    config: ConvConfig,
+    program: str,
+    soc: str,
+    formulation: str,
+    seed: int = 0,
+    stride_mode: str = "zero_insert",
+):
+    """Compile one program with ``formulation`` and ``Options.stride=stride_mode``:
+    (module, inputs, Compiled, seconds)."""
     from . import api
 
     module, inputs, exported = export(config, program, seed)
-    with api.enabled(input_gradient=formulation):
+    with api.enabled(input_gradient=formulation, stride=stride_mode):
         start = time.perf_counter()
         compiled = harness.lower_program(exported, soc)
         seconds = time.perf_counter() - start
@@ -220,10 +229,12 @@ def measure(
     run: bool = True,
     programs: tuple[str, ...] = PROGRAMS,
     seed: int = 0,
+    stride_mode: str | None = None,
 ) -> Measurement:
     """Compile ``programs`` (and run fwd+bwd on the simulator when ``run``).
 
-    ``formulation`` defaults to the default of ``Options.input_gradient``;
+    ``formulation`` and ``stride_mode`` default to the defaults of
+    ``Options.input_gradient`` and ``Options.stride``;
     ``extra_bytes`` and ``ratio`` need "fwd" and "fwd+bwd" among ``programs``.
     """
     from . import options
@@ -232,12 +243,17 @@ def measure(
     if unknown:
         raise ValueError(f"programs {sorted(unknown)} are not among {PROGRAMS}")
     formulation = formulation or options.Options().input_gradient
+    stride_mode = stride_mode or options.Options().stride
     compiled_bytes: dict[str, ProgramBytes] = {}
-    result = Measurement(config, soc, formulation, config.weight_bytes(), compiled_bytes)
+    result = Measurement(
+        config, soc, formulation, config.weight_bytes(), compiled_bytes, stride_mode
+    )
     for program in PROGRAMS:
         if program not in programs:
             continue
-        module, inputs, compiled, seconds = lower(config, program, soc, formulation, seed)
+        module, inputs, compiled, seconds = lower(
+            config, program, soc, formulation, seed, stride_mode
+        )
         compiled_bytes[program] = ProgramBytes(
             len(compiled.pte), compiled.context_binary_bytes, seconds, convolutions_on_cpu(compiled)
         )
@@ -250,10 +266,11 @@ def measure(
             result.grad_input_error = (outputs[1] - grad_input).abs().max().item()
     if {"fwd", "fwd+bwd"} <= set(programs):
         logger.info(
-            "%s on %s with %s: ratio %.3f (%d extra bytes for a %d-byte weight)",
+            "%s on %s with %s (stride %s): ratio %.3f (%d extra bytes for a %d-byte weight)",
             config,
             soc,
             formulation,
+            stride_mode,
             result.ratio,
             result.extra_bytes,
             result.weight_bytes,
@@ -262,7 +279,7 @@ def measure(
 
 
 TABLE_HEADER = (
-    "| config | SoC | formulation | weight B | pte fwd | pte fwd+bwd | pte bwd "
+    "| config | SoC | formulation | stride mode | weight B | pte fwd | pte fwd+bwd | pte bwd "
     "| ctx fwd | ctx fwd+bwd | ctx bwd | extra B | ratio | max err fwd | max err grad_input "
     "| compile s (fwd / fwd+bwd / bwd) | sim run s | all on HTP |"
 )
@@ -279,7 +296,8 @@ def table_row(m: Measurement) -> str:
     run = "-" if m.run_seconds is None else f"{m.run_seconds:.2f}"
     return (
         f"| {m.config} | {m.soc} (V{harness.SOC_ARCH.get(m.soc, '?')}) | {m.formulation} "
-        f"| {m.weight_bytes:,} | {p['fwd'].pte:,} | {p['fwd+bwd'].pte:,} | {p['bwd'].pte:,} "
+        f"| {m.stride_mode if m.config.stride > 1 else '-'} | {m.weight_bytes:,} "
+        f"| {p['fwd'].pte:,} | {p['fwd+bwd'].pte:,} | {p['bwd'].pte:,} "
         f"| {p['fwd'].context:,} | {p['fwd+bwd'].context:,} | {p['bwd'].context:,} "
         f"| {m.extra_bytes:,} | {m.ratio:.3f} | {_err(m.forward_error)} "
         f"| {_err(m.grad_input_error)} | {seconds} | {run} | {'yes' if m.all_delegated else 'NO'} |"

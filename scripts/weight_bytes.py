@@ -5,6 +5,7 @@ python scripts/weight_bytes.py                                   # 128x128x3 on 
 python scripts/weight_bytes.py --configs 64x64x3 128x128x3 256x256x3 \\
     --socs SM8450 SM8850 --formulations transpose_conv runtime_weight
 python scripts/weight_bytes.py --configs 64x64x3:s2:n15 32x32x3:g32   # stride, groups, size
+python scripts/weight_bytes.py --configs 256x256x3:s2:n15 --strides zero_insert parameter
 
 A config is CINxCOUTxK with optional :sSTRIDE, :gGROUPS, :nSIZE (input size, default 8).
 """
@@ -15,7 +16,7 @@ import argparse
 import logging
 import sys
 
-from qnn_convbwd import weight_bytes
+from qnn_convbwd import options, weight_bytes
 from qnn_convbwd.builders.input_gradient import FORMULATIONS
 
 
@@ -30,6 +31,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=sorted(FORMULATIONS),
         help="default: the default formulation",
     )
+    parser.add_argument(
+        "--strides",
+        nargs="+",
+        default=None,
+        choices=options.STRIDE_MODES,
+        help="Options.stride modes for strided configs (default: the default mode)",
+    )
     parser.add_argument("--no-run", action="store_true", help="compile only, no simulator run")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     args = parser.parse_args(argv)
@@ -42,8 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     for config in configs:
         for soc in args.socs:
             for formulation in args.formulations or [None]:
-                rows.append(weight_bytes.measure(config, soc, formulation, run=not args.no_run))
-                print(weight_bytes.table_row(rows[-1]), file=sys.stderr, flush=True)
+                modes = (args.strides or [None]) if config.stride > 1 else [None]
+                for mode in modes:
+                    rows.append(
+                        weight_bytes.measure(
+                            config, soc, formulation, run=not args.no_run, stride_mode=mode
+                        )
+                    )
+                    print(weight_bytes.table_row(rows[-1]), file=sys.stderr, flush=True)
     print(weight_bytes.to_markdown(rows))
     return 0
 

@@ -86,11 +86,29 @@ def test_enabled_context_restores_prior_state():
     assert _executorch_state() == before
 
 
+def test_options_name_their_choices():
+    from qnn_convbwd import options
+    from qnn_convbwd.builders.input_gradient import FORMULATIONS
+
+    assert set(FORMULATIONS) == set(options.INPUT_GRADIENT_FORMULATIONS)
+    for field in ("stride", "output_padding", "input_gradient"):
+        with pytest.raises(ValueError, match=f"{field}='bogus' is not one of"):
+            qnn_convbwd.enable(**{field: "bogus"})
+    with pytest.raises(TypeError):
+        qnn_convbwd.enable(strides="zero_insert")
+    qnn_convbwd.disable()
+    assert options.current == options.Options()
+
+
 # --- geometry: the derived transposed convolution equals aten's grad_input --------
 
 
 def _qnn_transpose_conv_reference(g, w, plan: geo.TransposedConvPlan) -> torch.Tensor:
-    """QNN TransposeConv2d semantics in torch: full extent, + output_padding, crop."""
+    """QNN TransposeConv2d semantics in torch: [upsampled,] full extent, + output_padding, crop."""
+    if plan.upsamples:
+        up = g.new_zeros(*g.shape[:2], *(n * f for n, f in zip(g.shape[2:], plan.zero_insert)))
+        up[(slice(None), slice(None), *(slice(None, None, f) for f in plan.zero_insert))] = g
+        g = up
     g = nn.functional.pad(
         g, [x for extra in reversed(plan.grad_output_pad_end) for x in (0, extra)]
     )
@@ -102,21 +120,25 @@ def _qnn_transpose_conv_reference(g, w, plan: geo.TransposedConvPlan) -> torch.T
     return full[tuple(crops)]
 
 
-@pytest.mark.parametrize("mode", geo.OUTPUT_PADDING_MODES)
-def test_every_output_padding_plan_computes_aten_grad_input(mode):
-    checked = 0
+@pytest.mark.parametrize(
+    "mode, stride",
+    [(m, "parameter") for m in geo.OUTPUT_PADDING_MODES] + [("auto", "zero_insert")],
+)
+def test_every_plan_computes_aten_grad_input(mode, stride):
+    upsampled = 0
     for config in generate_configs(60, seed=7):
         bank = ConvBackwardBank([config])
         (g,) = bank.example_inputs()
         (expected,) = bank(g)
         conv = conv_backward_of(config)
-        plan = geo.plan_input_gradient(conv, mode)
+        plan = geo.plan_input_gradient(conv, mode, stride)
         got = _qnn_transpose_conv_reference(g, bank.weights[0], plan)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=str(config))
-        if mode == "fold":
+        if mode == "fold" or plan.upsamples:
             assert not plan.uses_output_padding
-        checked += 1
-    assert checked == 60
+        upsampled += plan.upsamples
+    # generate_configs draws strides 1-3: most configs have one > 1.
+    assert upsampled > 30 if stride == "zero_insert" else upsampled == 0
 
 
 def test_odd_input_needs_output_padding_one():
@@ -179,7 +201,7 @@ def test_convolution_backward_reaches_the_partitioner_undecomposed(qnn_sdk):
 
 class SharedWeightNet(nn.Module):
     """A frozen conv applied twice (two backward nodes on one weight) and a
-    stride-2 conv on an even size (output_padding 1 through the parameter)."""
+    stride-2 conv on an even size (output_padding 1, folded into the upsampled crop)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -278,14 +300,27 @@ def test_forward_and_backward_read_the_same_static_weight(shared_weight_lowering
 
 def test_emitted_parameters(shared_weight_lowering):
     _, _, joint, compiled, graphs, params = shared_weight_lowering
-    tconv_names = [op.name for op in graphs[0] if op.op_type == "TransposeConv2d"]
-    down = [n for n in tconv_names if params[(n, "stride")] == [2, 2]]
-    shared = [n for n in tconv_names if params[(n, "stride")] == [1, 1]]
-    assert len(down) == 1 and len(shared) == 2
-    # 10x10 -> 5x5 with k3 s2 p1: output_padding 1 <= padding, expressed by the parameter.
-    assert params[(down[0], "pad_amount")] == [[1, 1], [1, 1]]
-    assert params[(down[0], "output_padding")] == [1, 1]
-    for name in shared:
+    ops = graphs[0]
+    by_output = {out[0]: op for op in ops for out in _io(op, "outputs")}
+    tconvs = [op for op in ops if op.op_type == "TransposeConv2d"]
+    tconv_names = [op.name for op in tconvs]
+    assert all(params[(n, "stride")] == [1, 1] for n in tconv_names)
+    # The stride-2 conv's grad_output is upsampled first (Options.stride="zero_insert"):
+    # per spatial dim a zero Pad of the next axis and a Reshape; no TransposeConv2d stride.
+    down = [op for op in tconvs if by_output[_io(op, "inputs")[0][0]].op_type == "Reshape"]
+    assert len(down) == 1 and len(tconvs) == 3
+    chain, name = [], _io(down[0], "inputs")[0][0]
+    while name in by_output and by_output[name].op_type in ("Pad", "Reshape"):
+        chain.append(by_output[name])
+        name = _io(chain[-1], "inputs")[0][0]
+    assert [op.op_type for op in chain] == ["Reshape", "Pad"] * 2
+    # NHWC [N, 5, 5, 16]: W padded to 10 (then H -> 10), C padded to 32 (then W -> 10).
+    pads = [params[(op.name, "pad_amount")] for op in chain[1::2]]
+    assert pads == [[[0, 0], [0, 0], [0, 0], [0, 16]], [[0, 0], [0, 0], [0, 5], [0, 0]]]
+    # 10x10 -> 5x5 with k3 s2 p1, upsampled to 10x10: extent 12, crop 1 at each end.
+    upsampled_dims = _io(chain[0], "outputs")[0][2]
+    assert list(upsampled_dims[1:3]) == [10, 10]
+    for name in tconv_names:
         assert params[(name, "pad_amount")] == [[1, 1], [1, 1]]
         assert params[(name, "output_padding")] == [0, 0]
     assert all(params[(n, "group")] == 1 for n in tconv_names)
@@ -414,7 +449,7 @@ def test_output_padding_parameter_is_still_defective(qnn_sdk, config):
     from qnn_convbwd.toolchain import harness
 
     bank = ConvBackwardBank([config])
-    with qnn_convbwd.enabled(output_padding="parameter"):
+    with qnn_convbwd.enabled(output_padding="parameter", stride="parameter"):
         compiled = harness.lower_program(bank.export(), "SM8650")
     _check_bank(compiled, bank)
 

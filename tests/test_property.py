@@ -40,6 +40,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qnn_convbwd.builders import conv_geometry as geo
+from qnn_convbwd.builders import qnn_ops
 from qnn_convbwd.partition import support
 from qnn_convbwd.partition.target import Target
 
@@ -132,16 +133,6 @@ def expected_rule(config: cases.ConvConfig, soc: str) -> str | None:
         return "spatial_dims"
     if any(d > 1 for d in config.dilation) and "dilation" not in support.CAPABILITIES:
         return "dilation"
-    out_size = config.forward_output_size()
-    padded = [i + 2 * p for i, p in zip(config.input_size, config.padding)]
-    if (
-        config.output_mask[1]
-        and 1 < config.groups == config.in_channels
-        and config.batch == 1
-        and all(o == 1 for o in out_size)
-        and (config.spatial_dims == 1 or 1 in padded)
-    ):
-        return "compilable_grad_weight"  # an HTP compiler failure (see the rule)
     return None
 
 
@@ -197,6 +188,14 @@ def _pad_end(x: torch.Tensor, amounts) -> torch.Tensor:
     return F.pad(x, [a for i in reversed(range(n)) for a in (0, amounts[i])])
 
 
+def _zero_insert(x: torch.Tensor, factors) -> torch.Tensor:
+    """Spatial dim i of an NC<spatial> tensor upsampled by ``factors[i]``: element j
+    at ``j * f``, zeros elsewhere (also after the last element)."""
+    out = x.new_zeros(*x.shape[:2], *(size * f for size, f in zip(x.shape[2:], factors)))
+    out[(slice(None), slice(None), *(slice(None, None, f) for f in factors))] = x
+    return out
+
+
 def dilated(weight: torch.Tensor, dilation) -> torch.Tensor:
     """The filter with ``d - 1`` zeros between taps: TransposeConv2d has no dilation."""
     kernel = [d * (k - 1) + 1 for d, k in zip(dilation, weight.shape[2:])]
@@ -206,15 +205,18 @@ def dilated(weight: torch.Tensor, dilation) -> torch.Tensor:
 
 
 def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
-    """Every output_padding mode's plan gives aten's grad_input (in the model)."""
+    """Every stride and output_padding mode's plan gives aten's grad_input (in the model)."""
     grad_output = built.inputs[0].double()
     # OIHW = conv_transpose's [C_in_t, C_out_t/g, k]
     weight = dilated(built.module.weight.double(), conv.dilation)
     (want, *_), (scale, *_) = reference64(built), magnitude64(built)
-    for mode in geo.OUTPUT_PADDING_MODES:
-        plan = geo.plan_input_gradient(conv, mode)
+    modes = [(m, "parameter") for m in geo.OUTPUT_PADDING_MODES] + [("auto", "zero_insert")]
+    for mode, stride in modes:
+        plan = geo.plan_input_gradient(conv, mode, stride)
+        assert plan.upsamples == (stride == "zero_insert" and max(conv.stride) > 1)
+        source = _zero_insert(grad_output, plan.zero_insert)
         got = qnn_transpose_conv(
-            _pad_end(grad_output, plan.grad_output_pad_end),
+            _pad_end(source, plan.grad_output_pad_end),
             weight,
             plan.stride,
             plan.pad_amount,
@@ -222,8 +224,10 @@ def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
             plan.groups,
         )
         ratio = ratio_to_magnitude(got, want, scale)
-        assert ratio < 1e-12, f"plan({mode}) {plan} is off by {ratio:.3g} x magnitude"
-        if mode == "parameter":
+        assert ratio < 1e-12, f"plan({mode}, {stride}) {plan} is off by {ratio:.3g} x magnitude"
+        if plan.upsamples:
+            assert set(plan.stride) == {1} and not any(plan.output_padding)
+        if mode == "parameter" and stride == "parameter":
             # torch's own transposed convolution with the plan's parameters.
             assert all(b == e for b, e in plan.pad_amount) and not any(plan.grad_output_pad_end)
             transpose = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
@@ -248,6 +252,7 @@ class EmittedOp:
     params: dict
     inputs: list[str] = dataclasses.field(default_factory=list)
     outputs: list[str] = dataclasses.field(default_factory=list)
+    output_dims: list[list[int] | None] = dataclasses.field(default_factory=list)
 
 
 def _tensor_name(tensor) -> str:
@@ -263,6 +268,17 @@ def recording_qnn_ops(monkeypatch_context):
 
     emitted: list[EmittedOp] = []
     base = adaptor.PyQnnOpWrapper
+    # Tensor wrappers have no name accessor and are told apart by id(); holding
+    # every one seen keeps ids from being reused by later wrappers.
+    seen: list = []
+    dims: dict[str, list[int]] = {}  # the plugin's native tensors: name -> dims
+    native_tensor = qnn_ops.native_tensor
+
+    def recording_native_tensor(visitor, name, shape, dtype, nodes_to_wrappers):
+        wrapper = native_tensor(visitor, name, shape, dtype, nodes_to_wrappers)
+        seen.append(wrapper)
+        dims[_tensor_name(wrapper)] = [int(v) for v in shape]
+        return wrapper
 
     class Recording(base):
         def __init__(self, name, package, op_type):
@@ -271,11 +287,14 @@ def recording_qnn_ops(monkeypatch_context):
             emitted.append(self.emitted)
 
         def AddInputTensors(self, tensors):  # noqa: N802
+            seen.extend(tensors)
             self.emitted.inputs += [_tensor_name(t) for t in tensors]
             return super().AddInputTensors(tensors)
 
         def AddOutputTensors(self, tensors):  # noqa: N802
+            seen.extend(tensors)
             self.emitted.outputs += [_tensor_name(t) for t in tensors]
+            self.emitted.output_dims += [dims.get(_tensor_name(t)) for t in tensors]
             return super().AddOutputTensors(tensors)
 
         def AddTensorParam(self, name, dtype, rank, dims, data, copy):  # noqa: N802
@@ -288,6 +307,7 @@ def recording_qnn_ops(monkeypatch_context):
             return super().AddScalarParam(name, dtype, attr)
 
     monkeypatch_context.setattr(adaptor, "PyQnnOpWrapper", Recording)
+    monkeypatch_context.setattr(qnn_ops, "native_tensor", recording_native_tensor)
     yield emitted
 
 
@@ -317,6 +337,10 @@ def _model_op(op: EmittedOp, x: torch.Tensor, weight_iohw: torch.Tensor) -> torc
             i = _nchw_dim(d, rank)
             pads[2 * (rank - 1 - i)], pads[2 * (rank - 1 - i) + 1] = begin, end
         return F.pad(x, pads)
+    if op.type == "Reshape":
+        (shape,) = op.output_dims
+        assert shape is not None, f"{op.name}: output dims not recorded"
+        return x.movedim(1, -1).reshape(shape).movedim(-1, 1)
     if op.type == "StridedSlice":
         index = [slice(None)] * rank
         for d, (begin, end, step) in enumerate(op.params["ranges"]):
@@ -335,7 +359,7 @@ def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Te
     assert tconvs, f"no TransposeConv2d among {[op.type for op in emitted]}"
     producer = {out: op for op in emitted for out in op.outputs}
     root = tconvs[-1].inputs[0]
-    while root in producer and producer[root].type in ("Pad", "StridedSlice"):
+    while root in producer and producer[root].type in ("Pad", "Reshape", "StridedSlice"):
         root = producer[root].inputs[0]
     # conv weight OIHW = [C_in_t, C_out_t/g, k]
     weight_iohw = dilated(built.module.weight.double(), built.config.dilation)
@@ -631,6 +655,18 @@ def test_model_notices_any_wrong_parameter():
     def emitted_for(plan) -> list[EmittedOp]:
         tconv_in = "grad_output"
         ops = []
+        shape = [int(v) for v in built.inputs[0].movedim(1, -1).shape]  # NHWC
+        for dim, factor in enumerate(plan.zero_insert):
+            if factor == 1:
+                continue
+            amounts = [[0, 0] for _ in shape]
+            amounts[dim + 2][1] = (factor - 1) * shape[dim + 2]
+            ops.append(
+                EmittedOp(f"pad{dim}", "Pad", {"pad_amount": amounts}, [tconv_in], [f"p{dim}"])
+            )
+            shape[dim + 1] *= factor
+            ops.append(EmittedOp(f"r{dim}", "Reshape", {}, [f"p{dim}"], [f"u{dim}"], [list(shape)]))
+            tconv_in = f"u{dim}"
         if any(plan.grad_output_pad_end):
             amounts = [[0, 0], *([0, e] for e in plan.grad_output_pad_end), [0, 0]]
             ops.append(EmittedOp("pad", "Pad", {"pad_amount": amounts}, [tconv_in], ["padded"]))
@@ -651,8 +687,17 @@ def test_model_notices_any_wrong_parameter():
             return math.inf
         return math.inf if got.shape != want.shape else ratio_to_magnitude(got, want, scale)
 
+    upsampled = geo.plan_input_gradient(conv, "auto", "zero_insert")
+    assert off_by(upsampled) < 1e-12 and upsampled.zero_insert == (2, 3)
+    for bad in [
+        dataclasses.replace(upsampled, zero_insert=(2, 2)),
+        dataclasses.replace(upsampled, zero_insert=(1, 3), stride=(2, 1)),
+        dataclasses.replace(upsampled, pad_amount=((0, 2), *upsampled.pad_amount[1:])),
+        dataclasses.replace(upsampled, groups=1),
+    ]:
+        assert off_by(bad) > 1e-3, f"zero_insert: {bad} not noticed"
     for mode in ("parameter", "fold"):
-        plan = geo.plan_input_gradient(conv, mode)
+        plan = geo.plan_input_gradient(conv, mode, "parameter")
         assert off_by(plan) < 1e-12, mode
         # output_padding (1, 2): with "fold" the second one reaches beyond the full extent.
         assert any(plan.output_padding if mode == "parameter" else plan.grad_output_pad_end)

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import options
+
 # Argument positions in the schema.
 GRAD_OUTPUT, INPUT, WEIGHT, BIAS_SIZES, STRIDE, PADDING, DILATION = range(7)
 TRANSPOSED, OUTPUT_PADDING, GROUPS, OUTPUT_MASK = range(7, 11)
@@ -178,17 +180,22 @@ class TransposedConvPlan:
     output_padding: tuple[int, ...]
     grad_output_pad_end: tuple[int, ...]  # zero rows/cols appended to grad_output
     groups: int
+    # Per spatial dim: grad_output is upsampled by this factor first, each element
+    # followed by ``factor - 1`` zeros (1: not upsampled). See STRIDE_MODES.
+    zero_insert: tuple[int, ...] = ()
+
+    @property
+    def upsamples(self) -> bool:
+        return any(f > 1 for f in self.zero_insert)
 
     @property
     def uses_output_padding(self) -> bool:
         return any(self.output_padding)
 
 
-# How the output padding is expressed (Options.output_padding):
-#   "auto"      the TransposeConv2d parameter where the HTP computes it right, else "fold";
-#   "parameter" always the parameter (reproduces the HTP defects; for tests);
-#   "fold"      never the parameter.
-OUTPUT_PADDING_MODES = ("auto", "parameter", "fold")
+# The modes of Options.output_padding and Options.stride (explained there).
+OUTPUT_PADDING_MODES = options.OUTPUT_PADDING_MODES
+STRIDE_MODES = options.STRIDE_MODES
 
 
 def parameter_is_reliable(conv: ConvBackward) -> bool:
@@ -205,12 +212,22 @@ def parameter_is_reliable(conv: ConvBackward) -> bool:
     return not conv.is_depthwise and all(o <= p for o, p in zip(op, conv.padding))
 
 
-def plan_input_gradient(conv: ConvBackward, mode: str = "auto") -> TransposedConvPlan:
+def plan_input_gradient(
+    conv: ConvBackward, mode: str = "auto", stride: str = "zero_insert"
+) -> TransposedConvPlan:
     """Transposed-convolution parameters that compute grad_input.
 
-    A transposed convolution first produces its full extent ``(o - 1) s + k``
-    (dilation 1) and then crops ``pad_amount`` at both ends; the output padding
-    ``op`` crops ``op`` fewer elements at the end. "fold" expresses that without
+    ``stride="zero_insert"`` (where some stride is > 1): grad_output of size ``o``
+    is upsampled to ``o s`` (element j at ``j s``, zeros between and after), so
+    a stride-1 transposed convolution spans ``o s - 1 + d (k - 1) + 1``; cropping
+    ``p`` at the start and whatever exceeds the input size ``i`` at the end
+    (``s - 1 + p - op >= p``) leaves grad_input. ``mode`` does not apply then.
+
+    Otherwise (``stride="parameter"``, or every stride 1) the transposed
+    convolution has the forward stride. It produces its full extent
+    ``(o - 1) s + k`` (dilation 1) and then crops ``pad_amount`` at both ends;
+    the output padding ``op`` crops ``op`` fewer elements at the end, and
+    ``mode`` says how that is expressed. "fold" expresses it without
     the parameter: where ``op <= p`` the end crop is simply ``p - op``; where
     ``op > p`` the missing elements lie beyond the full extent and are zero, so
     one zero row is appended to grad_output (which extends the full extent by
@@ -218,6 +235,29 @@ def plan_input_gradient(conv: ConvBackward, mode: str = "auto") -> TransposedCon
     """
     if mode not in OUTPUT_PADDING_MODES:
         raise ValueError(f"output_padding mode {mode!r} is not one of {OUTPUT_PADDING_MODES}")
+    if stride not in STRIDE_MODES:
+        raise ValueError(f"stride mode {stride!r} is not one of {STRIDE_MODES}")
+    unit = (1,) * conv.spatial_dims
+    if stride == "zero_insert" and any(s > 1 for s in conv.stride):
+        pad_amount = []
+        for i, o, s, p, d, k in zip(
+            conv.input_shape[2:],
+            conv.grad_output_shape[2:],
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.kernel,
+        ):
+            extent = int(o) * s - 1 + d * (k - 1) + 1
+            pad_amount.append((p, extent - p - int(i)))
+        return TransposedConvPlan(
+            stride=unit,
+            pad_amount=tuple(pad_amount),
+            output_padding=(0,) * conv.spatial_dims,
+            grad_output_pad_end=(0,) * conv.spatial_dims,
+            groups=conv.groups,
+            zero_insert=tuple(conv.stride),
+        )
     op = conv.transposed_output_padding()
     if mode == "parameter" or (mode == "auto" and parameter_is_reliable(conv)):
         return TransposedConvPlan(
@@ -226,6 +266,7 @@ def plan_input_gradient(conv: ConvBackward, mode: str = "auto") -> TransposedCon
             output_padding=op,
             grad_output_pad_end=(0,) * conv.spatial_dims,
             groups=conv.groups,
+            zero_insert=unit,
         )
     pad_amount, extend = [], []
     for p, o, s in zip(conv.padding, op, conv.stride):
@@ -241,6 +282,7 @@ def plan_input_gradient(conv: ConvBackward, mode: str = "auto") -> TransposedCon
         output_padding=(0,) * conv.spatial_dims,
         grad_output_pad_end=tuple(extend),
         groups=conv.groups,
+        zero_insert=unit,
     )
 
 

@@ -29,35 +29,42 @@ class GradInputRequest:
     grad_input_value: torch.Tensor  # NHWC value (shape/dtype of grad_input)
     nodes_to_wrappers: dict
     output_padding: str  # Options.output_padding
+    stride: str  # Options.stride
 
 
 def transpose_conv(req: GradInputRequest) -> list:
-    """Transpose(static HWIO weight) -> HWOI; [zero Pad of grad_output ->] TransposeConv2d."""
+    """Transpose(static HWIO weight) -> HWOI; grad_output [upsampled with zeros or
+    zero-padded at the end ->] TransposeConv2d (see ``geo.plan_input_gradient``)."""
     visitor, node = req.visitor, req.node
     weight = weights.weight_for_input_gradient(
         visitor, visitor.get_node(node.args[geo.WEIGHT]), node, req.nodes_to_wrappers
     )
-    plan = geo.plan_input_gradient(req.conv, req.output_padding)
+    plan = geo.plan_input_gradient(req.conv, req.output_padding, req.stride)
     ops = [] if weight.transpose is None else [weight.transpose]
     source = req.grad_output
-    if any(plan.grad_output_pad_end):
-        shape = list(
-            req.visitor.get_tensor(visitor.get_node(node.args[geo.GRAD_OUTPUT]), node).shape
-        )
-        for dim, extra in enumerate(plan.grad_output_pad_end):
-            shape[1 + dim] += extra  # NHWC: spatial dims start at 1
-        source = qnn_ops.native_tensor(
+    dtype = req.grad_input_value.dtype
+    shape = list(req.visitor.get_tensor(visitor.get_node(node.args[geo.GRAD_OUTPUT]), node).shape)
+    if plan.upsamples:
+        upsample, source, shape = qnn_ops.zero_insert(
             visitor,
-            f"{node.name}_grad_output_padded",
+            f"{node.name}_upsampled",
+            source,
             shape,
-            req.grad_input_value.dtype,
+            plan.zero_insert,
+            dtype,
             req.nodes_to_wrappers,
         )
-        ops.append(
-            qnn_ops.zero_pad_end(
-                f"{node.name}_pad", req.grad_output, source, plan.grad_output_pad_end
-            )
+        ops += upsample
+    if any(plan.grad_output_pad_end):
+        for dim, extra in enumerate(plan.grad_output_pad_end):
+            shape[1 + dim] += extra  # NHWC: spatial dims start at 1
+        padded = qnn_ops.native_tensor(
+            visitor, f"{node.name}_grad_output_padded", shape, dtype, req.nodes_to_wrappers
         )
+        ops.append(
+            qnn_ops.zero_pad_end(f"{node.name}_pad", source, padded, plan.grad_output_pad_end)
+        )
+        source = padded
 
     names = integration.get("OpTransposeConv2d")
     tconv = qnn_ops.new_op(node.name, names.op_name, [source, weight.hwoi], [req.grad_input])

@@ -60,6 +60,7 @@ class ConvolutionBackwardVisitor(NodeVisitor):
                 grad_input_value=grad_input_value,
                 nodes_to_wrappers=nodes_to_wrappers,
                 output_padding=options.current.output_padding,
+                stride=options.current.stride,
             )
             ops += FORMULATIONS[options.current.input_gradient](request)
         if want_weight:

@@ -72,6 +72,20 @@ def weight_gradient(
             f"{base}_image", x, [n, h, w, cin], (3, 1, 2, 0), dtype, visitor, nodes_to_wrappers
         )
         ops.append(op)
+    elif cg == 1:
+        # Depthwise: [N, H, W, C] -> [H, W, C, N] is I up to a Reshape, and with
+        # batch 1 it is I already. (The 5-D form below fails to compile here for
+        # some shapes: "could not create op: q::ForceFormat_Crouton", QAIRT 2.51.)
+        source, shape = x, [n, h, w, cin]
+        if n > 1:
+            op, source, shape = _transpose(
+                f"{base}_swap", x, shape, (1, 2, 3, 0), dtype, visitor, nodes_to_wrappers
+            )
+            ops.append(op)
+        op, image = _reshape(
+            f"{base}_image", source, [1, h, w, cin * n], dtype, visitor, nodes_to_wrappers
+        )
+        ops.append(op)
     else:
         op, split = _reshape(
             f"{base}_split", x, [n, h, w, groups, cg], dtype, visitor, nodes_to_wrappers

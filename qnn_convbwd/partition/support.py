@@ -256,31 +256,6 @@ def expressible_output_padding(node, conv, target):
     return None
 
 
-@rule
-def compilable_grad_weight(node, conv, target):
-    # Measured with QAIRT 2.51 (V69, V75): the HTP compiler fails on the
-    # batch/channel-swapped Conv2d of builders/weight_gradient.py ("could not
-    # create op: q::ForceFormat_Crouton" for the *_gw_swap_op) when a depthwise
-    # convolution with batch 1 has a 1x1 grad_output and its padded input has a
-    # unit dimension (1x1, 1xK, Kx1; 1-D convolutions are lowered with height 1).
-    # The same shapes with batch 2, a 2x2 or 3x3 padded input, or groups < C_in compile.
-    if not conv.output_mask[1] or not conv.is_static or not conv.is_depthwise:
-        return None
-    padded = [int(i) + 2 * p for i, p in zip(conv.input_shape[2:], conv.padding)]
-    if (
-        int(conv.grad_output_shape[0]) == 1
-        and all(int(o) == 1 for o in conv.grad_output_shape[2:])
-        and (conv.spatial_dims == 1 or 1 in padded)
-    ):
-        return _reject(
-            "the HTP compiler fails on grad_weight of a depthwise convolution with batch 1, "
-            "a 1x1 grad_output and a unit padded input dimension",
-            f"grad_output={list(conv.grad_output_shape)}, padded input={padded}, "
-            f"groups={conv.groups}",
-        )
-    return None
-
-
 def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:
     """Run the rules on one node; log the rejection, if any, as one line."""
     try:

@@ -18,7 +18,7 @@ from .builders import conv_geometry as geo
 from .partition import support
 from .partition.target import Target
 from .passes import layout, preserve_output_dtypes, record_output_dtypes
-from .passes.canonicalize import CanonicalizeConvolutionBackward
+from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
 from .passes.shape_only_operands import SHAPE_OF
 
 logger = logging.getLogger(__name__)
@@ -67,9 +67,13 @@ def _on_support_init(checker, edge_program, compiler_specs, skip_ids, skip_ops) 
 
 
 def _skipped(checker, node: torch.fx.Node) -> bool:
-    """Whether executorch's skip options keep ``node`` on CPU."""
+    """Whether executorch's skip options keep ``node`` on CPU.
+
+    Names are matched as the transform pass saw them (``skip_name``): later
+    passes renumber nodes.
+    """
     skip_ids, skip_ops = getattr(checker, _SKIP_ATTR, (set(), set()))
-    return node.name in skip_ids or node.target.__name__ in skip_ops
+    return skip_name(node) in skip_ids or node.target.__name__ in skip_ops
 
 
 def _would_delegate(checker, target: Target, node: torch.fx.Node) -> bool:
@@ -98,7 +102,10 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
             rejection = support.Rejection("skip", "kept on CPU by executorch's skip options", "")
             _record(node, support.Decision(node.name, decision.conv, rejection))
             return False
-        if not original():
+        # The skip options are applied above, by the name the transform pass saw;
+        # executorch matches skip_node_id_set against the current name, which may
+        # be another node's.
+        if not original(skip_node_id_set=set()):
             rejection = support.Rejection(
                 "backend_validation", "rejected by the QNN backend's op validation", target.soc
             )

@@ -19,6 +19,7 @@ from .partition import cpu_kernel, support
 from .partition.target import Target
 from .passes import layout, preserve_output_dtypes, record_output_dtypes
 from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
+from .passes.conv1d import ON_CPU
 from .passes.shape_only_operands import SHAPE_OF
 
 logger = logging.getLogger(__name__)
@@ -70,10 +71,16 @@ def _skipped(checker, node: torch.fx.Node) -> bool:
     """Whether executorch's skip options keep ``node`` on CPU.
 
     Names are matched as the transform pass saw them (``skip_name``): later
-    passes renumber nodes.
+    passes renumber nodes. A node the transform pass lifted for the CPU
+    (``ON_CPU``) and whose rules delegate it was kept there by the skip options
+    the pass was given.
     """
     skip_ids, skip_ops = getattr(checker, _SKIP_ATTR, (set(), set()))
-    return skip_name(node) in skip_ids or node.target.__name__ in skip_ops
+    return (
+        skip_name(node) in skip_ids
+        or node.target.__name__ in skip_ops
+        or bool(node.meta.get(ON_CPU))
+    )
 
 
 def _warn_if_cpu_cannot_run(node: torch.fx.Node) -> None:
@@ -131,6 +138,10 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
         if not supported and not _nested_check.get():
             _warn_if_cpu_cannot_run(node)
         return supported
+    if target is not None and node.meta.get(ON_CPU):
+        # A reshape the transform pass added around a 1-D node it lifted for
+        # executorch's CPU kernel: it runs with that node.
+        return False
     if target is not None and node.meta.get(SHAPE_OF):
         # A full the plugin inserted (a shape-only stand-in) is delegated only together
         # with every consumer: alone it would be a constant delegate output, which QNN

@@ -4,7 +4,8 @@ A node the partitioner leaves on CPU runs on executorch's portable
 ``aten::convolution_backward.out`` (executorch 1.5.1:
 ``kernels/portable/cpu/op_convolution_backward.cpp``), which computes 2-D,
 non-transposed convolutions only and fails the program at run time otherwise.
-The plugin says so when such a node stays on CPU.
+The transform pass lifts 1-D nodes to 2-D (``passes/conv1d.py``); transposed
+and 3-D nodes cannot be lifted, and the plugin says so when they stay on CPU.
 """
 
 from __future__ import annotations

@@ -1,9 +1,14 @@
 """The plugin's to_edge transform pass: convolution_backward ready for partitioning.
 
-Three rewrites, each applied only to nodes the support rules delegate (and that
-executorch's skip options do not keep on CPU), in this order:
+Three rewrites, in this order:
 
-1. ``conv1d.lift_conv1d``: 1-D nodes become 2-D nodes with a unit height;
+1. ``conv1d.lift_conv1d``: 1-D nodes become 2-D nodes with a unit height, those
+   that go to QNN and those that stay on CPU (executorch's CPU kernel computes
+   2-D nodes only);
+
+and, only on nodes the support rules delegate (and that executorch's skip
+options do not keep on CPU):
+
 2. ``split_gradients.split_input_gradient``: grad_input is split from
    grad_weight / grad_bias;
 3. ``shape_only_operands.replace_shape_only_operands``: operands read only for
@@ -18,7 +23,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from .. import integration
 from ..partition import support
 from ..partition.target import Target
-from .conv1d import lift_conv1d
+from .conv1d import ON_CPU, lift_conv1d
 from .shape_only_operands import replace_shape_only_operands
 from .split_gradients import split_input_gradient
 
@@ -66,6 +71,8 @@ class CanonicalizeConvolutionBackward(PassBase):
                 return False
             if node.target.__name__ in self.skip_node_op_set:
                 return False
+            if node.meta.get(ON_CPU):
+                return False
             return support.decide(node, target, log=False).supported
 
         return delegated
@@ -78,7 +85,12 @@ class CanonicalizeConvolutionBackward(PassBase):
         )
         _remember_names(graph_module.graph)
         delegated = self._delegated(target)
-        changed = lift_conv1d(graph_module, self.edge_program, delegated)
+        changed = lift_conv1d(
+            graph_module,
+            self.edge_program,
+            delegated,
+            lambda node: support.decide(node, target, log=False),
+        )
         changed += split_input_gradient(graph_module, delegated)
         changed += replace_shape_only_operands(graph_module, delegated)
         return PassResult(graph_module, changed > 0)

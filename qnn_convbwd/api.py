@@ -15,10 +15,11 @@ import torch
 
 from . import integration, options
 from .builders import conv_geometry as geo
-from .partition import support
+from .partition import cpu_kernel, support
 from .partition.target import Target
 from .passes import layout, preserve_output_dtypes, record_output_dtypes
-from .passes.canonicalize import CanonicalizeConvolutionBackward
+from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
+from .passes.conv1d import ON_CPU
 from .passes.shape_only_operands import SHAPE_OF
 
 logger = logging.getLogger(__name__)
@@ -67,9 +68,29 @@ def _on_support_init(checker, edge_program, compiler_specs, skip_ids, skip_ops) 
 
 
 def _skipped(checker, node: torch.fx.Node) -> bool:
-    """Whether executorch's skip options keep ``node`` on CPU."""
+    """Whether executorch's skip options keep ``node`` on CPU.
+
+    Names are matched as the transform pass saw them (``skip_name``): later
+    passes renumber nodes. A node the transform pass lifted for the CPU
+    (``ON_CPU``) and whose rules delegate it was kept there by the skip options
+    the pass was given.
+    """
     skip_ids, skip_ops = getattr(checker, _SKIP_ATTR, (set(), set()))
-    return node.name in skip_ids or node.target.__name__ in skip_ops
+    return (
+        skip_name(node) in skip_ids
+        or node.target.__name__ in skip_ops
+        or bool(node.meta.get(ON_CPU))
+    )
+
+
+def _warn_if_cpu_cannot_run(node: torch.fx.Node) -> None:
+    """One warning for a node that stays on CPU, where executorch's kernel refuses it."""
+    try:
+        why = cpu_kernel.refusal(geo.parse(node))
+    except geo.ConvArgumentError:
+        return
+    if why is not None:
+        logger.warning(cpu_kernel.warning(node.name, why))
 
 
 def _would_delegate(checker, target: Target, node: torch.fx.Node) -> bool:
@@ -87,27 +108,40 @@ def _would_delegate(checker, target: Target, node: torch.fx.Node) -> bool:
         _nested_check.reset(token)
 
 
+def _judge_conv_bwd(original, checker, target: Target, node: torch.fx.Node) -> bool:
+    decision = support.decide(node, target, log=not _nested_check.get())
+    if not decision.supported:
+        _record(node, decision)
+        return False
+    if _skipped(checker, node):
+        rejection = support.Rejection("skip", "kept on CPU by executorch's skip options", "")
+        _record(node, support.Decision(node.name, decision.conv, rejection))
+        return False
+    # The skip options are applied above, by the name the transform pass saw; executorch
+    # matches skip_node_id_set against the current name, which may be another node's.
+    if not original(skip_node_id_set=set()):
+        rejection = support.Rejection(
+            "backend_validation", "rejected by the QNN backend's op validation", target.soc
+        )
+        if not _nested_check.get():
+            logger.warning(rejection.message(node.name))
+        _record(node, support.Decision(node.name, decision.conv, rejection))
+        return False
+    _record(node, decision)
+    return True
+
+
 def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
     target: Target | None = getattr(checker, _TARGET_ATTR, None)
     if target is not None and _is_conv_bwd(node):
-        decision = support.decide(node, target, log=not _nested_check.get())
-        if not decision.supported:
-            _record(node, decision)
-            return False
-        if _skipped(checker, node):
-            rejection = support.Rejection("skip", "kept on CPU by executorch's skip options", "")
-            _record(node, support.Decision(node.name, decision.conv, rejection))
-            return False
-        if not original():
-            rejection = support.Rejection(
-                "backend_validation", "rejected by the QNN backend's op validation", target.soc
-            )
-            if not _nested_check.get():
-                logger.warning(rejection.message(node.name))
-            _record(node, support.Decision(node.name, decision.conv, rejection))
-            return False
-        _record(node, decision)
-        return True
+        supported = _judge_conv_bwd(original, checker, target, node)
+        if not supported and not _nested_check.get():
+            _warn_if_cpu_cannot_run(node)
+        return supported
+    if target is not None and node.meta.get(ON_CPU):
+        # A reshape the transform pass added around a 1-D node it lifted for
+        # executorch's CPU kernel: it runs with that node.
+        return False
     if target is not None and node.meta.get(SHAPE_OF):
         # A full the plugin inserted (a shape-only stand-in) is delegated only together
         # with every consumer: alone it would be a constant delegate output, which QNN
@@ -216,6 +250,19 @@ class ReportRow:
     output_mask: list
     delegated: bool
     reason: str
+    # Why executorch's CPU kernel cannot execute the node, which stays on CPU
+    # (e.g. "3-D"); None when it is delegated or the CPU kernel runs it.
+    cpu_refusal: str | None = None
+
+    @property
+    def summary(self) -> str:
+        """``reason``, plus what staying on CPU means when the CPU kernel refuses the node."""
+        if self.cpu_refusal is None:
+            return self.reason
+        return (
+            f"{self.reason}; stays on CPU, where executorch's CPU kernel cannot execute it "
+            f"({self.cpu_refusal})"
+        )
 
 
 @dataclasses.dataclass
@@ -234,7 +281,7 @@ class Report:
         lines = [
             f"| {r.node} | {r.grad_output} | {r.weight} | {r.stride} | {r.padding} | "
             f"{r.dilation} | {r.groups} | {r.output_mask} | {'yes' if r.delegated else 'no'} "
-            f"| {r.reason} |"
+            f"| {r.summary} |"
             for r in self.rows
         ]
         return "\n".join([head, *lines])
@@ -255,7 +302,26 @@ def _conv_bwd_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     ]
 
 
-def _row(name: str, conv: geo.ConvBackward, delegated: bool, skipped: set | None) -> ReportRow:
+def _cpu_refusals(graph: torch.fx.Graph) -> dict[str, str]:
+    """Original name -> why executorch's CPU kernel refuses it, for nodes of ``graph``."""
+    refusals = {}
+    for node in _conv_bwd_nodes(graph):
+        try:
+            why = cpu_kernel.refusal(geo.parse(node))
+        except geo.ConvArgumentError:
+            continue
+        if why is not None:
+            refusals.update(dict.fromkeys(origins(node), why))
+    return refusals
+
+
+def _row(
+    name: str,
+    conv: geo.ConvBackward,
+    delegated: bool,
+    skipped: set | None,
+    cpu_refusal: str | None = None,
+) -> ReportRow:
     decision = _decisions.get(name)
     if delegated:
         reason = "delegated"
@@ -280,6 +346,7 @@ def _row(name: str, conv: geo.ConvBackward, delegated: bool, skipped: set | None
         output_mask=list(conv.output_mask),
         delegated=delegated,
         reason=reason,
+        cpu_refusal=None if delegated else cpu_refusal,
     )
 
 
@@ -324,7 +391,10 @@ def decide(program: torch.export.ExportedProgram, compiler_specs: list) -> Repor
             _record(node, decision)
             if decision.supported:
                 supported.update(origins(node))
-        return Report([_row(n, c, n in supported, None) for n, c in before.items()])
+        refusals = _cpu_refusals(edge_program.graph)
+        return Report(
+            [_row(n, c, n in supported, None, refusals.get(n)) for n, c in before.items()]
+        )
 
 
 def lower(
@@ -360,11 +430,11 @@ def lower(
                 compile_config=integration.get("qnn_edge_config")(),
             )
 
-        remaining = {
-            name for n in _conv_bwd_nodes(edge.exported_program().graph) for name in origins(n)
-        }
+        graph = edge.exported_program().graph
+        remaining = {name for n in _conv_bwd_nodes(graph) for name in origins(n)}
+        refusals = _cpu_refusals(graph)
         rows = [
-            _row(name, conv, name not in remaining, skip_node_id_set)
+            _row(name, conv, name not in remaining, skip_node_id_set, refusals.get(name))
             for name, conv in before.items()
         ]
         logger.info(

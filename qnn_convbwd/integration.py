@@ -54,6 +54,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.serialization.qc_schema_serialize", "flatbuffer_to_option", "reads compile specs"),
     (f"{_QC}.serialization.qc_schema", "QnnExecuTorchBackendType", "backend gate"),
     (f"{_QC}.partition.qnn_partitioner", "QnnOperatorSupport.__init__", "patched: keeps specs"),
+    (
+        f"{_QC}.partition.qnn_partitioner",
+        "QnnOperatorSupport.skip_node_id_set",
+        "set while judging a convolution_backward (renamed nodes)",
+    ),
     (f"{_QC}.partition.qnn_partitioner", "QnnOperatorSupport.is_node_supported", "patched: gates"),
     (f"{_QC}._passes.qnn_pass_manager", "QnnPassManager.get_default_pass_activations", "patched"),
     (
@@ -105,8 +110,19 @@ def executorch_version() -> str:
 def _resolve(module: str, path: str) -> Any:
     obj: Any = importlib.import_module(module)
     for part in path.split("."):
+        if inspect.isclass(obj) and not hasattr(obj, part) and _sets_attribute(obj, part):
+            return f"{obj.__name__}().{part}"  # an instance attribute, set by __init__
         obj = getattr(obj, part)
     return obj
+
+
+def _sets_attribute(cls: type, name: str) -> bool:
+    """Whether ``cls.__init__`` assigns ``self.<name>``."""
+    try:
+        source = inspect.getsource(cls.__init__)
+    except (OSError, TypeError):
+        return False
+    return f"self.{name} =" in source
 
 
 def check_internals() -> None:
@@ -221,7 +237,9 @@ class Hooks:
     layout_sensitive_ops: tuple  # edge ops the layout pass must treat as NHWC
     # (checker, edge_program, compiler_specs, skip_node_id_set, skip_node_op_set)
     on_support_init: Callable[[Any, Any, Any, Any, Any], None]
-    is_node_supported: Callable[[Callable, Any, Any], bool]  # (original, checker, node)
+    # (original, checker, node); original(skip_node_id_set=None) runs executorch's check,
+    # with ``skip_node_id_set`` in place of the checker's own when given.
+    is_node_supported: Callable[[Callable[..., bool], Any, Any], bool]
     transform_pass: type  # added to QnnPassManager's to_edge transform passes
     layout_edge_condition: Callable[[Callable, Any, Any], bool]  # (original, pass, node)
     layout_mark: Callable[[Callable, Any, Any], None]  # (original, pass, node)
@@ -251,6 +269,21 @@ def _with_prelude(base: type, prelude: Callable[[Any, Any, Any], list]) -> type:
         f"{base.__name__}WithPrelude"
     )
     return ConvolutionWithPrelude
+
+
+@contextlib.contextmanager
+def _skip_node_ids(checker: Any, ids: set) -> Iterator[None]:
+    """executorch's QnnOperatorSupport with ``ids`` as its skip_node_id_set, for one check."""
+    if not hasattr(checker, "skip_node_id_set"):
+        raise ExecutorchIntegrationError(
+            f"executorch {executorch_version()}: QnnOperatorSupport has no skip_node_id_set"
+        )
+    saved = checker.skip_node_id_set
+    checker.skip_node_id_set = ids
+    try:
+        yield
+    finally:
+        checker.skip_node_id_set = saved
 
 
 def _apply(p: _Patches, hooks: Hooks) -> None:
@@ -306,7 +339,13 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
     orig_supported = support_cls.is_node_supported
 
     def is_node_supported(self, submodules, node):
-        return hooks.is_node_supported(lambda: orig_supported(self, submodules, node), self, node)
+        def original(skip_node_id_set=None) -> bool:
+            if skip_node_id_set is None:
+                return orig_supported(self, submodules, node)
+            with _skip_node_ids(self, skip_node_id_set):
+                return orig_supported(self, submodules, node)
+
+        return hooks.is_node_supported(original, self, node)
 
     p.set_attr(support_cls, "is_node_supported", is_node_supported)
 

@@ -111,7 +111,7 @@ BACKBONES: dict[str, Callable[..., nn.Module]] = {
 @dataclasses.dataclass
 class TrainingGraph:
     name: str
-    model: AdapterNet
+    model: nn.Module  # AdapterNet or Audio1d
     inputs: tuple[torch.Tensor, torch.Tensor]
     program: torch.export.ExportedProgram  # joint forward-backward graph
 
@@ -162,4 +162,58 @@ def training_graph(
     program = torch.export.export(model, (x, target), strict=True)
     joint = _export_forward_backward(program)
     name = f"{backbone}-{size}px-{'trainable' if trainable_backbone else 'frozen'}"
+    return TrainingGraph(name, model, (x, target), joint)
+
+
+# --- 1-D (audio-style) stacks -------------------------------------------------------
+
+
+class Audio1d(nn.Module):
+    """Trainable 1x1 Conv1d adapter, then a strided Conv1d and a dilated, grouped Conv1d.
+
+    ``relu`` puts a ReLU between the two backbone convolutions; ``loss`` is
+    ``"mse"`` (against the target) or ``"dot"`` (mean of output * target).
+    """
+
+    def __init__(self, trainable_backbone: bool, relu: bool = True, loss: str = "mse") -> None:
+        super().__init__()
+        if loss not in ("mse", "dot"):
+            raise ValueError(f"loss={loss!r}")
+        self.loss = loss
+        self.adapter = nn.Conv1d(4, 4, 1)
+        layers: list[nn.Module] = [nn.Conv1d(4, 8, 5, stride=2, padding=2)]
+        if relu:
+            layers.append(nn.ReLU())
+        layers.append(nn.Conv1d(8, 8, 3, padding=2, dilation=2, groups=2))
+        self.backbone = nn.Sequential(*layers)
+        self.backbone.requires_grad_(trainable_backbone)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        y = self.backbone(self.adapter(x))
+        if self.loss == "mse":
+            return nn.functional.mse_loss(y, target)
+        return (y * target).mean()
+
+
+def audio1d_graph(
+    trainable_backbone: bool = False,
+    relu: bool = True,
+    loss: str = "mse",
+    batch: int = 2,
+    length: int = 33,
+    seed: int = 0,
+) -> TrainingGraph:
+    """Build, export and differentiate an ``Audio1d`` stack."""
+    from torch.export.experimental import _export_forward_backward
+
+    torch.manual_seed(seed)
+    model = Audio1d(trainable_backbone, relu, loss)
+    x = torch.randn(batch, 4, length)
+    with torch.no_grad():
+        target = torch.randn_like(model.backbone(model.adapter(x)))
+    joint = _export_forward_backward(torch.export.export(model, (x, target), strict=True))
+    name = (
+        f"audio1d-{length}-{'trainable' if trainable_backbone else 'frozen'}"
+        f"{'' if relu else '-linear'}-{loss}"
+    )
     return TrainingGraph(name, model, (x, target), joint)

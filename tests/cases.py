@@ -266,7 +266,9 @@ class Case:
     needs: frozenset[str] | None
     dynamic_batch: tuple[int, int] | None = None
     # What executorch's portable convolution_backward kernel logs when it refuses
-    # the node at run time (it computes 2-D, non-transposed convolutions only).
+    # the node at run time (it computes 2-D, non-transposed convolutions only; the
+    # plugin lifts 1-D nodes that stay on CPU to 2-D, so only transposed and 3-D
+    # nodes are refused).
     cpu_kernel_refuses: str | None = None
     # torch itself refuses these shapes; the CPU kernel must refuse them too.
     torch_rejects: bool = False
@@ -283,6 +285,9 @@ _2D = frozenset({"grad_input", "conv2d"})
 _NO_TRANSPOSED = "Transposed Convolution Backward not supported yet"
 _ONLY_2D = "Only 2D Convolution Backward supported for now"
 _BASE = ConvConfig()
+_1D = dataclasses.replace(
+    _BASE, kernel=(3,), input_size=(11,), stride=(2,), padding=(1,), dilation=(1,)
+)
 
 CASES: tuple[Case, ...] = (
     # Delegated today: show the table's "supported" branch works.
@@ -325,15 +330,7 @@ CASES: tuple[Case, ...] = (
         None,
         cpu_kernel_refuses=_NO_TRANSPOSED,
     ),
-    Case(
-        "conv1d",
-        dataclasses.replace(
-            _BASE, kernel=(3,), input_size=(11,), stride=(2,), padding=(1,), dilation=(1,)
-        ),
-        "spatial_dims",
-        frozenset({"grad_input", "conv1d"}),
-        cpu_kernel_refuses=_ONLY_2D,
-    ),
+    Case("conv1d", _1D, "spatial_dims", frozenset({"grad_input", "conv1d"})),
     Case(
         "conv3d",
         dataclasses.replace(
@@ -353,6 +350,36 @@ CASES: tuple[Case, ...] = (
     Case("float16", dataclasses.replace(_BASE, dtype=torch.float16), None, _2D),
     Case("float64", dataclasses.replace(_BASE, dtype=torch.float64), "float_operands", None),
     Case("bfloat16", dataclasses.replace(_BASE, dtype=torch.bfloat16), "float_operands", None),
+    # 1-D nodes the rules keep on CPU: lifted to 2-D for executorch's CPU kernel.
+    Case(
+        "conv1d_float64_all_gradients",
+        dataclasses.replace(
+            _1D,
+            out_channels=8,
+            input_size=(13,),
+            padding=(2,),
+            dilation=(2,),
+            groups=2,
+            batch=2,
+            output_mask=(True, True, True),
+            dtype=torch.float64,
+        ),
+        "float_operands",
+        None,
+    ),
+    Case(
+        "conv1d_weight_input",
+        dataclasses.replace(_1D, output_mask=(True, True, False), weight_as="input"),
+        "static_weight",
+        None,
+    ),
+    Case(
+        "conv1d_transposed",
+        dataclasses.replace(_1D, transposed=True, output_padding=(1,)),
+        "not_transposed",
+        None,
+        cpu_kernel_refuses=_NO_TRANSPOSED,
+    ),
     # Graph shapes.
     Case(
         "dynamic_batch",

@@ -472,3 +472,38 @@ def test_skip_options_keep_every_node_on_cpu_and_the_program_runs(qnn_sdk):
         torch.testing.assert_close(
             got, expected, rtol=0, atol=5e-3 * expected.abs().max().item() + 1e-6
         )
+
+
+def test_skip_node_id_set_keeps_the_named_node_though_a_split_renumbers_nodes(qnn_sdk):
+    """skip_node_id_set names nodes as executorch's to_edge names them. The transform
+    pass splits the first node in two; the passes after it renumber the nodes of one op
+    in graph order, so the name then belongs to that node's second half. The node the
+    user named must stay on CPU, and only it."""
+    from executorch.exir import to_edge
+
+    from qnn_convbwd.toolchain import harness
+
+    graph = models.training_graph("linear", size=9, trainable_backbone=True)
+    edge_names = [
+        n.name
+        for n in to_edge(graph.program).exported_program().graph.nodes
+        if "convolution_backward" in str(n.target)
+    ]
+    compiled = harness.lower_program(graph.program, "SM8650", skip_node_id_set={edge_names[1]})
+    rows = {r.node: r for r in compiled.report.rows}
+    assert not rows["convolution_backward_1"].delegated
+    assert rows["convolution_backward_1"].reason == "kept on CPU by executorch's skip options"
+    assert rows["convolution_backward"].delegated and rows["convolution_backward_2"].delegated
+    (kept,) = [
+        n
+        for n in compiled.edge.exported_program().graph.nodes
+        if "convolution_backward" in str(n.target)
+    ]
+    assert list(kept.args[10]) == [True, True, True] and list(kept.args[4]) == [1, 1]
+    reference = graph.reference()
+    for got, expected in zip(
+        _user_outputs(compiled.run(graph.inputs), reference), reference, strict=True
+    ):
+        torch.testing.assert_close(
+            got, expected, rtol=0, atol=5e-3 * expected.abs().max().item() + 1e-6
+        )

@@ -103,36 +103,13 @@ def test_fully_trainable_network_runs_every_backward_on_htp(qnn_sdk, backbone, s
         assert (got - expected).abs().max().item() <= tol
 
 
-class Audio1d(torch.nn.Module):
-    """A 1-D (audio-style) stack: trainable 1x1 adapter, frozen strided/dilated Conv1d."""
-
-    def __init__(self, trainable: bool) -> None:
-        super().__init__()
-        self.adapter = torch.nn.Conv1d(4, 4, 1)
-        self.backbone = torch.nn.Sequential(
-            torch.nn.Conv1d(4, 8, 5, stride=2, padding=2),
-            torch.nn.ReLU(),
-            torch.nn.Conv1d(8, 8, 3, padding=2, dilation=2, groups=2),
-        )
-        self.backbone.requires_grad_(trainable)
-
-    def forward(self, x, target):
-        return torch.nn.functional.mse_loss(self.backbone(self.adapter(x)), target)
-
-
 @pytest.mark.parametrize("trainable", [False, True], ids=["frozen", "trainable"])
 def test_conv1d_backward_lowers_through_the_2d_path(qnn_sdk, trainable):
-    from torch.export.experimental import _export_forward_backward
-
     from qnn_convbwd.toolchain import harness
 
-    torch.manual_seed(0)
-    model = Audio1d(trainable)
-    x = torch.randn(2, 4, 33)
-    target = torch.randn(2, 8, 17)
-    joint = _export_forward_backward(torch.export.export(model, (x, target), strict=True))
-    compiled = harness.lower_program(joint, "SM8650")
+    graph = models.audio1d_graph(trainable_backbone=trainable)
+    compiled = harness.lower_program(graph.program, "SM8650")
     assert compiled.report.rows and all(r.delegated for r in compiled.report.rows)
-    expected = models.autograd_reference(model, (x, target), joint)
-    for got, want in zip(compiled.run((x, target))[: len(expected)], expected, strict=True):
+    expected = graph.reference()
+    for got, want in zip(compiled.run(graph.inputs)[: len(expected)], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=5e-3 * want.abs().max().item() + 1e-6)

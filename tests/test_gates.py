@@ -23,6 +23,9 @@ from qnn_convbwd.partition.target import Target
 
 SOC = "SM8650"
 NOT_DELEGATED = re.compile(r"^convolution_backward (\S+): not delegated: (.*)$")
+CPU_CANNOT_RUN = re.compile(
+    r"^convolution_backward (\S+): stays on CPU, where executorch's CPU kernel cannot execute it"
+)
 
 
 # --- helpers ---------------------------------------------------------------------------
@@ -30,6 +33,10 @@ NOT_DELEGATED = re.compile(r"^convolution_backward (\S+): not delegated: (.*)$")
 
 def not_delegated_records(caplog) -> list[logging.LogRecord]:
     return [r for r in caplog.records if NOT_DELEGATED.match(r.getMessage())]
+
+
+def cpu_cannot_run_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if CPU_CANNOT_RUN.match(r.getMessage())]
 
 
 def lower(built: cases.Built, soc: str, caplog):
@@ -47,12 +54,18 @@ def lowered_graphs(edge) -> list[torch.fx.Graph]:
     return [m.original_module.graph for _, m, _ in get_lowered_submodules(graph_module)]
 
 
-def assert_on_cpu(edge) -> None:
+def assert_on_cpu(edge) -> torch.fx.Node:
     """The node is in the top-level graph (in whatever dialect) and in no delegate."""
     top = cases.conv_backward_nodes(edge.exported_program().graph)
     assert len(top) == 1, f"top-level graph has {len(top)} convolution_backward nodes"
     for graph in lowered_graphs(edge):
         assert not cases.conv_backward_nodes(graph), "convolution_backward inside a delegate"
+    return top[0]
+
+
+def cpu_kernel_can_run(node: torch.fx.Node) -> bool:
+    """What executorch's portable convolution_backward kernel computes: 2-D, not transposed."""
+    return node.args[0].meta["val"].dim() == 4 and not node.args[7]  # grad_output, transposed
 
 
 def assert_delegated(edge) -> None:
@@ -137,13 +150,28 @@ def test_variant(case: cases.Case, qnn_sdk, caplog, tmp_path):
         return
 
     assert not row.delegated
-    assert_on_cpu(compiled.edge)
+    node = assert_on_cpu(compiled.edge)
     assert len(records) == 1, [r.getMessage() for r in records]
     (record,) = records
     assert record.convbwd_rule == case.rule, record.getMessage()
     assert NOT_DELEGATED.match(record.getMessage()).group(2) == row.reason
 
+    # 1-D nodes are lifted to 2-D; transposed and 3-D ones cannot be, and the
+    # report and one warning say that the CPU kernel cannot execute them.
+    executable = case.config.spatial_dims in (1, 2) and not case.config.transposed
+    assert cpu_kernel_can_run(node) == executable, node.format_node()
+    warnings = cpu_cannot_run_records(caplog)
+    if cpu_kernel_can_run(node):
+        assert row.cpu_refusal is None and not warnings, row.summary
+    else:
+        assert row.cpu_refusal, row
+        assert [CPU_CANNOT_RUN.match(r.getMessage()).group(1) for r in warnings] == [
+            record.convbwd_node
+        ]
+        assert "cannot execute" in row.summary and row.cpu_refusal in row.summary
+
     if case.cpu_kernel_refuses is None:
+        assert cpu_kernel_can_run(node), "a node the CPU kernel refuses is expected to run"
         assert_cpu_numbers(compiled, built)
         return
     # executorch's CPU kernel cannot compute this node either: the program must

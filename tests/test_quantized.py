@@ -117,6 +117,61 @@ def test_pt2e_quantized_program_falls_back_with_right_numbers(qnn_sdk, caplog):
     assert (grad - float_grad).abs().max() > 0
 
 
+class Saliency1d(nn.Module):
+    """``Saliency`` with a Conv1d: its convolution_backward is 1-D."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 6, 3, padding=1, bias=False)
+        self.conv.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor):
+        g = torch.relu(self.conv(x))
+        return _conv_bwd_1d(g, x, self.conv.weight), g
+
+
+def _conv_bwd_1d(grad_output, x, weight):
+    return torch.ops.aten.convolution_backward.default(
+        grad_output, x, weight, None, [1], [1], [1], False, [0], 1, [True, False, False]
+    )[0]
+
+
+@pytest.mark.htp
+def test_pt2e_quantized_1d_program_runs_its_node_on_cpu_as_2d(qnn_sdk, caplog):
+    """The quantization gate keeps the 1-D node on CPU; the transform pass lifts it to
+    2-D there, reading the frozen weight through a view, so executorch's kernel runs it."""
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qnn_convbwd.toolchain import harness
+
+    torch.manual_seed(0)
+    model = Saliency1d().eval()
+    x = torch.randn(1, 4, 16)
+    prepared = prepare_pt2e(torch.export.export(model, (x,), strict=True).module(), QnnQuantizer())
+    for _ in range(4):
+        prepared(torch.randn(1, 4, 16))
+    prepared(x)
+    program = torch.export.export(convert_pt2e(prepared), (x,), strict=True)
+
+    caplog.set_level(logging.INFO, logger="qnn_convbwd")
+    compiled = harness.lower_program(program, SOC, fp16=False)
+    (row,) = compiled.report.rows
+    assert not row.delegated and "QCOM_QUANT_ATTRS" in row.reason, row.reason
+    assert row.cpu_refusal is None
+    assert [r.convbwd_rule for r in _not_delegated(caplog)] == ["not_quantized"]
+    (node,) = cases.conv_backward_nodes(compiled.edge.exported_program().graph)
+    assert node.args[0].meta["val"].dim() == 4 and list(node.args[4]) == [1, 1]
+    assert harness.delegate_count(compiled.edge) == 1  # the quantized conv + relu
+
+    grad, g = compiled.run((x,))
+    weight = model.conv.weight.detach()
+    with torch.no_grad():
+        expected = _conv_bwd_1d(g, x, weight)
+        magnitude = _conv_bwd_1d(g.abs(), x, weight.abs())
+    cases.assert_matches([grad], [expected], [magnitude], 1e-5, "lifted CPU convolution_backward")
+
+
 class DequantizedWeight(nn.Module):
     """convolution_backward reading an int8 weight through dequantize_per_tensor."""
 

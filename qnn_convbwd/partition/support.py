@@ -44,6 +44,10 @@ KNOWN_CAPABILITIES: frozenset[str] = frozenset(
 )
 # output_mask order: https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/native_functions.yaml
 GRADIENTS = ("grad_input", "grad_weight", "grad_bias")
+# Node meta key: the Decision taken on a node before a rewrite made its operands
+# unfit for the rules (a 1-D node lifted to 2-D for executorch's CPU kernel reads
+# views of its operands). decide() returns it instead of running the rules again.
+PINNED = "qnn_convbwd_pinned_decision"
 
 
 def spatial_capability(spatial_dims: int) -> str:
@@ -257,19 +261,13 @@ def expressible_output_padding(node, conv, target):
 
 
 def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:
-    """Run the rules on one node; log the rejection, if any, as one line."""
-    try:
-        conv = geo.parse(node)
-    except geo.ConvArgumentError as err:
-        rejection = Rejection("parse", "arguments not understood", str(err))
-        conv = None
+    """Run the rules on one node (or take its ``PINNED`` decision); log the rejection,
+    if any, as one line."""
+    pinned: Decision | None = node.meta.get(PINNED)
+    if pinned is not None:
+        conv, rejection = pinned.conv, pinned.rejection
     else:
-        rejection = None
-        for name, fn in RULES:
-            found = fn(node, conv, target)
-            if found is not None:
-                rejection = dataclasses.replace(found, rule=name)
-                break
+        conv, rejection = _run_rules(node, target)
     if rejection is not None and log:
         # ``extra`` lets callers (and tests) tell which rule spoke without parsing text.
         logger.info(
@@ -277,3 +275,17 @@ def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:
             extra={"convbwd_node": node.name, "convbwd_rule": rejection.rule},
         )
     return Decision(node.name, conv, rejection)
+
+
+def _run_rules(
+    node: torch.fx.Node, target: Target
+) -> tuple[geo.ConvBackward | None, Rejection | None]:
+    try:
+        conv = geo.parse(node)
+    except geo.ConvArgumentError as err:
+        return None, Rejection("parse", "arguments not understood", str(err))
+    for name, fn in RULES:
+        found = fn(node, conv, target)
+        if found is not None:
+            return conv, dataclasses.replace(found, rule=name)
+    return conv, None

@@ -1,9 +1,14 @@
 """The plugin's to_edge transform pass: convolution_backward ready for partitioning.
 
-Three rewrites, each applied only to nodes the support rules delegate (and that
-executorch's skip options do not keep on CPU), in this order:
+Three rewrites, in this order:
 
-1. ``conv1d.lift_conv1d``: 1-D nodes become 2-D nodes with a unit height;
+1. ``conv1d.lift_conv1d``: 1-D nodes become 2-D nodes with a unit height, those
+   that go to QNN and those that stay on CPU (executorch's CPU kernel computes
+   2-D nodes only);
+
+and, only on nodes the support rules delegate (and that executorch's skip
+options do not keep on CPU):
+
 2. ``split_gradients.split_input_gradient``: grad_input is split from
    grad_weight / grad_bias;
 3. ``shape_only_operands.replace_shape_only_operands``: operands read only for
@@ -15,11 +20,33 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
+from .. import integration
 from ..partition import support
 from ..partition.target import Target
-from .conv1d import lift_conv1d
+from .conv1d import ON_CPU, lift_conv1d
 from .shape_only_operands import replace_shape_only_operands
 from .split_gradients import split_input_gradient
+
+# Node meta key: the name a convolution_backward had when this pass first saw it.
+# executorch's skip_node_id_set names nodes, and names do not last: passes after
+# this one retrace the graph and number nodes of one op in graph order, so a
+# grad_weight half inserted by the split takes the name of the next node
+# (measured: ``aten_convolution_backward_default_1`` then named another node's
+# half, which was kept on CPU instead). The split halves and the lifted nodes
+# keep their metadata, so this name follows the node the user meant.
+NAME_SEEN = "qnn_convbwd_name_seen"
+
+
+def skip_name(node: torch.fx.Node) -> str:
+    """The name executorch's skip_node_id_set is matched against."""
+    return node.meta.get(NAME_SEEN, node.name)
+
+
+def _remember_names(graph: torch.fx.Graph) -> None:
+    target = integration.get("ops").edge.aten.convolution_backward.default
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target == target:
+            node.meta.setdefault(NAME_SEEN, node.name)
 
 
 class CanonicalizeConvolutionBackward(PassBase):
@@ -40,9 +67,11 @@ class CanonicalizeConvolutionBackward(PassBase):
 
     def _delegated(self, target: Target):
         def delegated(node: torch.fx.Node) -> bool:
-            if node.name in self.skip_node_id_set:
+            if skip_name(node) in self.skip_node_id_set:
                 return False
             if node.target.__name__ in self.skip_node_op_set:
+                return False
+            if node.meta.get(ON_CPU):
                 return False
             return support.decide(node, target, log=False).supported
 
@@ -54,8 +83,14 @@ class CanonicalizeConvolutionBackward(PassBase):
             if self.compiler_specs
             else Target.unknown(self.edge_program)
         )
+        _remember_names(graph_module.graph)
         delegated = self._delegated(target)
-        changed = lift_conv1d(graph_module, self.edge_program, delegated)
+        changed = lift_conv1d(
+            graph_module,
+            self.edge_program,
+            delegated,
+            lambda node: support.decide(node, target, log=False),
+        )
         changed += split_input_gradient(graph_module, delegated)
         changed += replace_shape_only_operands(graph_module, delegated)
         return PassResult(graph_module, changed > 0)

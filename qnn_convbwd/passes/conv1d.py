@@ -3,15 +3,31 @@
 executorch's CanonicalizeConv turns every 1-D ``convolution`` into
 ``unsqueeze -> conv2d -> squeeze`` and gives it a 4-D copy of the weight
 (``[C_out, C_in/g, 1, k]``) as a ``get_attr`` buffer. This pass does the same for
-``convolution_backward``: grad_output and input are unsqueezed at dim 2, the
+``convolution_backward``: grad_output and input gain a unit height at dim 2, the
 node becomes 2-D (stride, padding, dilation get a leading 1 / 0 / 1) and every
-gradient it returns is squeezed back. The weight is the forward convolution's
-4-D buffer when a canonicalized forward convolution reads the same parameter,
-so the forward and backward share one stored weight; otherwise a 4-D buffer of
-its own is registered the way CanonicalizeConv does.
+gradient it returns loses that height again.
 
-Runs after CanonicalizeConv, on nodes the support rules delegate; a 1-D node
-that stays on CPU is left untouched.
+Every non-transposed 1-D node is lifted, wherever it will run:
+
+* a node the support rules delegate reads the forward convolution's 4-D buffer
+  when a canonicalized forward convolution reads the same parameter, so the
+  forward and backward share one stored weight; otherwise a 4-D buffer of its
+  own is registered the way CanonicalizeConv does. The reshapes are
+  ``unsqueeze_copy`` / ``squeeze_copy`` and are delegated with the node.
+* a node that stays on CPU (rejected by a rule, or kept there by executorch's
+  skip options) is lifted because executorch's portable CPU kernel computes
+  2-D convolution_backward only. It reads its own weight operand, whatever
+  that is (parameter, buffer, graph input, a dequantize), through a
+  ``view_copy``: executorch turns a ``view_copy`` into a view of its base
+  (``ReplaceViewCopyWithViewPass``), so the weight is not stored or copied a
+  second time. The node and its reshapes carry ``ON_CPU`` and stay on CPU, and
+  the node carries the decision taken on its 1-D form (``support.PINNED``):
+  the rules would judge the rewritten operands, not the user's node.
+
+The node is rewritten in place, so it keeps its name (executorch's
+``skip_node_id_set`` names nodes) and its metadata; its getitems keep theirs.
+Transposed nodes are left alone: no kernel of ours or executorch's computes
+them, lifted or not.
 """
 
 from __future__ import annotations
@@ -23,6 +39,11 @@ import torch
 
 from .. import integration
 from ..builders import conv_geometry as geo
+from ..partition import support
+
+# Node meta key: the name of the lifted node that this node (or the node itself)
+# belongs to, for nodes the lift made to run on executorch's CPU kernels.
+ON_CPU = "qnn_convbwd_lifted_on_cpu"
 
 
 def _forward_weight(graph_module, weight_node, edge_program) -> torch.fx.Node | None:
@@ -67,71 +88,109 @@ def _call(graph, target, args, value, like: torch.fx.Node):
     return node
 
 
+def _static(value: torch.Tensor) -> bool:
+    return all(isinstance(d, int) for d in value.shape)
+
+
+class _Reshapes:
+    """How the lift adds and removes the unit height, for the node's destination."""
+
+    def __init__(self, node: torch.fx.Node, on_cpu: bool) -> None:
+        self.node = node
+        self.on_cpu = on_cpu
+        self.ops = integration.get("ops").edge.aten
+
+    def _mark(self, created: torch.fx.Node) -> torch.fx.Node:
+        if self.on_cpu:
+            created.meta[ON_CPU] = self.node.name
+        return created
+
+    def unsqueeze(self, graph, source: torch.fx.Node, like: torch.fx.Node) -> torch.fx.Node:
+        value = source.meta["val"].unsqueeze(2)
+        if self.on_cpu and _static(value):
+            args = (source, list(value.shape))
+            return self._mark(_call(graph, self.ops.view_copy.default, args, value, like))
+        target = self.ops.unsqueeze_copy.default
+        return self._mark(_call(graph, target, (source, 2), value, like))
+
+    def squeeze(self, graph, item: torch.fx.Node, value, like: torch.fx.Node) -> torch.fx.Node:
+        if self.on_cpu and _static(value):
+            args = (item, list(value.shape))
+            return self._mark(_call(graph, self.ops.view_copy.default, args, value, like))
+        target = self.ops.squeeze_copy.dims
+        return self._mark(_call(graph, target, (item, [2]), value, like))
+
+
 def lift_conv1d(
     graph_module: torch.fx.GraphModule,
     edge_program,
     delegated: Callable[[torch.fx.Node], bool],
+    decide: Callable[[torch.fx.Node], support.Decision],
 ) -> int:
-    """Rewrite delegated 1-D convolution_backward nodes in place; return how many."""
+    """Rewrite 1-D, non-transposed convolution_backward nodes in place; return how many.
+
+    ``delegated``: whether the node goes to QNN (rules and skip options);
+    ``decide``: the rules' decision, pinned on nodes that stay on CPU.
+    """
     ops = integration.get("ops").edge.aten
     graph = graph_module.graph
     lifted = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target != ops.convolution_backward.default:
             continue
-        if node.args[geo.GRAD_OUTPUT].meta["val"].dim() != 3 or not delegated(node):
+        if node.args[geo.GRAD_OUTPUT].meta["val"].dim() != 3 or node.args[geo.TRANSPOSED]:
             continue
+        on_cpu = not delegated(node)
+        reshapes = _Reshapes(node, on_cpu)
         grad_output, inp, weight = (node.args[i] for i in (geo.GRAD_OUTPUT, geo.INPUT, geo.WEIGHT))
-        weight4 = _forward_weight(graph_module, weight, edge_program) or _register_weight(
-            graph_module, weight, edge_program
-        )
         with graph.inserting_before(node):
-            g4 = _call(
-                graph,
-                ops.unsqueeze_copy.default,
-                (grad_output, 2),
-                grad_output.meta["val"].unsqueeze(2),
-                node,
+            g4 = reshapes.unsqueeze(graph, grad_output, node)
+            x4 = reshapes.unsqueeze(graph, inp, node)
+            if on_cpu:
+                weight4 = reshapes.unsqueeze(graph, weight, node)
+        if not on_cpu:
+            weight4 = _forward_weight(graph_module, weight, edge_program) or _register_weight(
+                graph_module, weight, edge_program
             )
-            x4 = _call(
-                graph, ops.unsqueeze_copy.default, (inp, 2), inp.meta["val"].unsqueeze(2), node
-            )
-            args = list(node.args)
-            args[geo.GRAD_OUTPUT], args[geo.INPUT], args[geo.WEIGHT] = g4, x4, weight4
-            for index, unit in (
-                (geo.STRIDE, 1),
-                (geo.PADDING, 0),
-                (geo.DILATION, 1),
-                (geo.OUTPUT_PADDING, 0),
-            ):
-                args[index] = [unit, *node.args[index]]
-            # grad_input and grad_weight gain the unit height; grad_bias is [C_out] as is.
-            value = tuple(
-                v.unsqueeze(2) if v is not None and v.dim() == 3 else v for v in node.meta["val"]
-            )
-            node4 = _call(graph, node.target, tuple(args), value, node)
+        if on_cpu:
+            node.meta[support.PINNED] = decide(node)
+            node.meta[ON_CPU] = node.name
+
+        args = list(node.args)
+        args[geo.GRAD_OUTPUT], args[geo.INPUT], args[geo.WEIGHT] = g4, x4, weight4
+        for index, unit in (
+            (geo.STRIDE, 1),
+            (geo.PADDING, 0),
+            (geo.DILATION, 1),
+            (geo.OUTPUT_PADDING, 0),
+        ):
+            args[index] = [unit, *node.args[index]]
+        node.args = tuple(args)
+        # grad_input and grad_weight gain the unit height; grad_bias is [C_out] as is.
+        old_value = node.meta["val"]
+        value = tuple(v.unsqueeze(2) if v is not None and v.dim() == 3 else v for v in old_value)
+        node.meta["val"] = value
+
         # Every getitem right after the node, the squeezes after all of them: QNN
         # lists a delegate's outputs in the order their producers are built, and a
         # getitem output is built with the node itself (see split_gradients.py).
-        users = sorted(
+        items = sorted(
             (u for u in node.users if u.target == operator.getitem), key=lambda u: u.args[1]
         )
-        cursor, items = node, []
-        for user in users:
-            index = user.args[1]
+        cursor = node
+        for item in items:
+            cursor.append(item)
+            item.meta["val"] = value[item.args[1]]
+            cursor = item
+        for item in items:
+            index = item.args[1]
+            if value[index].dim() != 4:
+                continue
+            users = list(item.users)
             with graph.inserting_after(cursor):
-                cursor = _call(graph, operator.getitem, (node4, index), value[index], user)
-            items.append((user, cursor))
-        for user, item in items:
-            result = item
-            if value[user.args[1]].dim() == 4:
-                with graph.inserting_after(cursor):
-                    cursor = result = _call(
-                        graph, ops.squeeze_copy.dims, (item, [2]), user.meta["val"], user
-                    )
-            user.replace_all_uses_with(result)
-            graph.erase_node(user)
-        graph.erase_node(node)
+                cursor = reshapes.squeeze(graph, item, old_value[index], item)
+            for user in users:
+                user.replace_input_with(item, cursor)
         lifted += 1
     if lifted:
         graph_module.recompile()

@@ -428,13 +428,17 @@ DEPTHWISE_OP_WITHIN_PAD = Config(1, 8, 8, (3, 3), (2, 2), (1, 1), 8, (10, 10))
 BEYOND_FULL_EXTENT = Config(1, 8, 16, (3, 3), (3, 3), (1, 0), 1, (10, 14))
 
 
+@pytest.mark.parametrize("stride", geo.STRIDE_MODES)
 @pytest.mark.parametrize("config", [DEPTHWISE_OP_WITHIN_PAD, BEYOND_FULL_EXTENT], ids=str)
-def test_workaround_computes_the_defective_cases_right(qnn_sdk, config):
+def test_workaround_computes_the_defective_cases_right(qnn_sdk, config, stride):
+    """Both ways around the defective parameter: upsampling (default) and, with
+    TransposeConv2d's stride, the "auto" output padding plan."""
     from qnn_convbwd.toolchain import harness
 
     bank = ConvBackwardBank([config])
     assert not geo.parameter_is_reliable(conv_backward_of(config))
-    compiled = harness.lower_program(bank.export(), "SM8650")
+    with qnn_convbwd.enabled(stride=stride):
+        compiled = harness.lower_program(bank.export(), "SM8650")
     _check_bank(compiled, bank)
 
 

@@ -105,19 +105,27 @@ def test_options_name_their_choices():
 
 def _qnn_transpose_conv_reference(g, w, plan: geo.TransposedConvPlan) -> torch.Tensor:
     """QNN TransposeConv2d semantics in torch: [upsampled,] full extent, + output_padding, crop."""
-    if plan.upsamples:
-        up = g.new_zeros(*g.shape[:2], *(n * f for n, f in zip(g.shape[2:], plan.zero_insert)))
-        up[(slice(None), slice(None), *(slice(None, None, f) for f in plan.zero_insert))] = g
-        g = up
+
+    def upsampled(t):
+        up = t.new_zeros(*t.shape[:2], *(n * f for n, f in zip(t.shape[2:], plan.zero_insert)))
+        up[(slice(None), slice(None), *(slice(None, None, f) for f in plan.zero_insert))] = t
+        return up
+
+    def cropped(t, amounts):
+        crops = [slice(None), slice(None)]
+        for dim, (begin, end) in enumerate(amounts):
+            crops.append(slice(begin, t.shape[2 + dim] - end))
+        return t[tuple(crops)]
+
+    if plan.upsamples and not plan.upsample_output:
+        g = upsampled(g)
     g = nn.functional.pad(
         g, [x for extra in reversed(plan.grad_output_pad_end) for x in (0, extra)]
     )
     full = nn.functional.conv_transpose2d(g, w, stride=plan.stride, groups=plan.groups)
     full = nn.functional.pad(full, [x for o in reversed(plan.output_padding) for x in (0, o)])
-    crops = [slice(None), slice(None)]
-    for dim, (begin, end) in enumerate(plan.pad_amount):
-        crops.append(slice(begin, full.shape[2 + dim] - end))
-    return full[tuple(crops)]
+    out = cropped(full, plan.pad_amount)
+    return cropped(upsampled(out), plan.output_crop) if plan.upsample_output else out
 
 
 @pytest.mark.parametrize(

@@ -214,7 +214,8 @@ def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
     for mode, stride in modes:
         plan = geo.plan_input_gradient(conv, mode, stride)
         assert plan.upsamples == (stride == "zero_insert" and max(conv.stride) > 1)
-        source = _zero_insert(grad_output, plan.zero_insert)
+        before = plan.upsamples and not plan.upsample_output
+        source = _zero_insert(grad_output, plan.zero_insert) if before else grad_output
         got = qnn_transpose_conv(
             _pad_end(source, plan.grad_output_pad_end),
             weight,
@@ -223,6 +224,15 @@ def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
             plan.output_padding,
             plan.groups,
         )
+        if plan.upsample_output:
+            got = _zero_insert(got, plan.zero_insert)
+            got = got[
+                (
+                    slice(None),
+                    slice(None),
+                    *(slice(b, got.shape[2 + i] - e) for i, (b, e) in enumerate(plan.output_crop)),
+                )
+            ]
         ratio = ratio_to_magnitude(got, want, scale)
         assert ratio < 1e-12, f"plan({mode}, {stride}) {plan} is off by {ratio:.3g} x magnitude"
         if plan.upsamples:
@@ -374,7 +384,7 @@ def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Te
             if result is not None:
                 values[op.outputs[0]] = result
     end = tconvs[-1].outputs[0]
-    consumer = {op.inputs[0]: op for op in emitted if op.type in ("Pad", "StridedSlice")}
+    consumer = {op.inputs[0]: op for op in emitted if op.type in ("Pad", "Reshape", "StridedSlice")}
     while end in consumer:
         end = consumer[end].outputs[0]
     return values[end].squeeze(2) if one_d else values[end]

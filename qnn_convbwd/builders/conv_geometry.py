@@ -183,6 +183,10 @@ class TransposedConvPlan:
     # Per spatial dim: grad_output is upsampled by this factor first, each element
     # followed by ``factor - 1`` zeros (1: not upsampled). See STRIDE_MODES.
     zero_insert: tuple[int, ...] = ()
+    # Upsample the TransposeConv2d's output instead of its input (where every
+    # upsampled dim has a kernel of 1, the two commute), then crop ``output_crop``.
+    upsample_output: bool = False
+    output_crop: tuple[tuple[int, int], ...] = ()
 
     @property
     def upsamples(self) -> bool:
@@ -222,6 +226,10 @@ def plan_input_gradient(
     a stride-1 transposed convolution spans ``o s - 1 + d (k - 1) + 1``; cropping
     ``p`` at the start and whatever exceeds the input size ``i`` at the end
     (``s - 1 + p - op >= p``) leaves grad_input. ``mode`` does not apply then.
+    Where every strided dim has a kernel of 1 (a 1x1 downsampling conv), a
+    kernel-1 convolution commutes with the upsampling: the transposed
+    convolution runs on grad_output as it is (``s^d`` times fewer multiply-adds)
+    and its output is upsampled and cropped the same way.
 
     Otherwise (``stride="parameter"``, or every stride 1) the transposed
     convolution has the forward stride. It produces its full extent
@@ -239,17 +247,27 @@ def plan_input_gradient(
         raise ValueError(f"stride mode {stride!r} is not one of {STRIDE_MODES}")
     unit = (1,) * conv.spatial_dims
     if stride == "zero_insert" and any(s > 1 for s in conv.stride):
-        pad_amount = []
-        for i, o, s, p, d, k in zip(
-            conv.input_shape[2:],
-            conv.grad_output_shape[2:],
-            conv.stride,
-            conv.padding,
-            conv.dilation,
-            conv.kernel,
-        ):
-            extent = int(o) * s - 1 + d * (k - 1) + 1
-            pad_amount.append((p, extent - p - int(i)))
+        dims = list(
+            zip(
+                conv.input_shape[2:],
+                conv.grad_output_shape[2:],
+                conv.stride,
+                conv.padding,
+                conv.dilation,
+                conv.kernel,
+            )
+        )
+        after = all(d * (k - 1) + 1 == 1 for _, _, s, _, d, k in dims if s > 1)
+        pad_amount, crop = [], []
+        for i, o, s, p, d, k in dims:
+            i, o = int(i), int(o)
+            if after and s > 1:  # kernel 1: the convolution keeps o, the upsampling crops
+                pad_amount.append((0, 0))
+                crop.append((p, o * s - p - i))
+                continue
+            extent = (o if after else o * s) - 1 + d * (k - 1) + 1
+            pad_amount.append((p, extent - p - i))
+            crop.append((0, 0))
         return TransposedConvPlan(
             stride=unit,
             pad_amount=tuple(pad_amount),
@@ -257,6 +275,8 @@ def plan_input_gradient(
             grad_output_pad_end=(0,) * conv.spatial_dims,
             groups=conv.groups,
             zero_insert=tuple(conv.stride),
+            upsample_output=after,
+            output_crop=tuple(crop),
         )
     op = conv.transposed_output_padding()
     if mode == "parameter" or (mode == "auto" and parameter_is_reliable(conv)):

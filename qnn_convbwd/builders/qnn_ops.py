@@ -93,6 +93,7 @@ def zero_insert(
     factors: Sequence[int],
     dtype: torch.dtype,
     nodes_to_wrappers,
+    result=None,
 ):
     """Upsample spatial dim i of an N<spatial>C tensor by ``factors[i]`` with zeros.
 
@@ -101,7 +102,8 @@ def zero_insert(
     at the end, then Reshape so that the dim takes the factor. In row-major
     order a block of the next axis holds the data and the ``f - 1`` blocks after
     it are zeros, which the Reshape turns into ``f`` consecutive positions of
-    the dim: data first, then zeros. Returns ``(ops, result, result_shape)``.
+    the dim: data first, then zeros. The last Reshape writes into ``result``
+    when given. Returns ``(ops, result, result_shape)``.
 
     Measured with QAIRT 2.51: doing all dims with one Pad (a view with a unit
     axis after each spatial dim, the last factor merged into the channels)
@@ -111,6 +113,7 @@ def zero_insert(
     ops = []
     shape = [int(v) for v in shape]
     reshape = integration.get("OpReshape").op_name
+    last = max(dim for dim, factor in enumerate(factors) if factor > 1)
     for dim, factor in enumerate(factors):
         if factor == 1:
             continue
@@ -121,7 +124,10 @@ def zero_insert(
         padded = native_tensor(visitor, f"{name}{dim}_pad", padded_shape, dtype, nodes_to_wrappers)
         ops.append(_zero_pad(f"{name}{dim}_pad_op", source, padded, amounts))
         shape[axis] *= factor
-        source = native_tensor(visitor, f"{name}{dim}", shape, dtype, nodes_to_wrappers)
+        if dim == last and result is not None:
+            source = result
+        else:
+            source = native_tensor(visitor, f"{name}{dim}", shape, dtype, nodes_to_wrappers)
         ops.append(new_op(f"{name}{dim}_reshape", reshape, [padded], [source]))
     return ops, source, shape
 

@@ -8,6 +8,7 @@ compile into one QNN program (one compile per SoC instead of one per config).
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import torch
@@ -16,16 +17,22 @@ from torch import nn
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """One convolution_backward call; per-dim tuples have one entry per spatial dim."""
+
     batch: int
     cin: int
     cout: int
-    kernel: tuple[int, int]
-    stride: tuple[int, int]
-    padding: tuple[int, int]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
     groups: int
-    size: tuple[int, int]  # spatial size of the forward input
-    dilation: tuple[int, int] = (1, 1)
+    size: tuple[int, ...]  # spatial size of the forward input
+    dilation: tuple[int, ...] | None = None  # None: 1 in every dim
     mask: tuple[bool, bool, bool] = (True, False, False)
+
+    def __post_init__(self) -> None:
+        if self.dilation is None:
+            object.__setattr__(self, "dilation", (1,) * len(self.kernel))
 
     @property
     def output_size(self) -> tuple[int, ...]:
@@ -44,13 +51,16 @@ class Config:
         )
 
     def __str__(self) -> str:
+        def dims(values) -> str:
+            return "x".join(map(str, values))
+
         text = (
-            f"n{self.batch}_c{self.cin}x{self.cout}_k{self.kernel[0]}x{self.kernel[1]}"
-            f"_s{self.stride[0]}x{self.stride[1]}_p{self.padding[0]}x{self.padding[1]}"
-            f"_g{self.groups}_{self.size[0]}x{self.size[1]}"
+            f"n{self.batch}_c{self.cin}x{self.cout}_k{dims(self.kernel)}"
+            f"_s{dims(self.stride)}_p{dims(self.padding)}"
+            f"_g{self.groups}_{dims(self.size)}"
         )
-        if self.dilation != (1, 1):
-            text += f"_d{self.dilation[0]}x{self.dilation[1]}"
+        if any(d != 1 for d in self.dilation):
+            text += f"_d{dims(self.dilation)}"
         if self.mask != (True, False, False):
             text += "_m" + "".join("1" if m else "0" for m in self.mask)
         return text
@@ -91,7 +101,7 @@ class ConvBackwardBank(nn.Module):
         self.weights = nn.ParameterList(
             nn.Parameter(
                 torch.randn(c.cout, c.cin // c.groups, *c.kernel, generator=gen)
-                / (c.kernel[0] * c.kernel[1] * c.cin // c.groups) ** 0.5,
+                / (math.prod(c.kernel) * c.cin // c.groups) ** 0.5,
                 requires_grad=False,
             )
             for c in configs
@@ -112,7 +122,7 @@ class ConvBackwardBank(nn.Module):
                 list(c.padding),
                 list(c.dilation),
                 False,
-                [0, 0],
+                [0] * len(c.stride),
                 c.groups,
                 list(c.mask),
             )
@@ -144,7 +154,7 @@ def fp16_error_bounds(
         list(config.padding),
         list(config.dilation),
         False,
-        [0, 0],
+        [0] * len(config.stride),
         config.groups,
         [True, True, True],
     )
@@ -175,7 +185,7 @@ def conv_backward_of(config: Config):
         padding=config.padding,
         dilation=config.dilation,
         transposed=False,
-        output_padding_arg=(0, 0),
+        output_padding_arg=(0,) * len(config.stride),
         groups=config.groups,
         output_mask=config.mask,
         dtype=torch.float32,

@@ -5,15 +5,20 @@ Schema: https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/native
 (``convolution_backward``). Shapes are NC<spatial>: grad_output is
 ``[N, C_out, *out]``, input ``[N, C_in, *in]``, weight ``[C_out, C_in / groups, *k]``.
 
-Layout names used across the package (4-D case):
+Layout names used across the package, written for the 2-D case; with three
+spatial dims the kernel dims are ``kD, kH, kW`` (OIDHW, DHWIO, DHWOI) and the
+names below stand for those layouts too:
 
 * ``OIHW``: torch convolution weight ``[C_out, C_in/g, kH, kW]``.
-* ``HWIO``: QNN Conv2d filter ``[kH, kW, C_in/g, C_out]`` = OIHW permuted (2, 3, 1, 0).
-  executorch's forward Conv2d visitor stores the static weight in this layout.
-* ``HWOI``: QNN TransposeConv2d filter for the input gradient. TransposeConv2d
-  takes ``[kH, kW, C_in_t, C_out_t / g]``; the backward convolution reads
-  ``C_in_t = C_out`` channels and produces ``C_out_t = C_in`` channels, so its
-  filter is ``[kH, kW, C_out, C_in/g]`` = HWIO permuted (0, 1, 3, 2).
+* ``HWIO``: QNN Conv2d / Conv3d filter ``[kH, kW, C_in/g, C_out]`` = OIHW permuted
+  by ``oihw_to_hwio`` ((2, 3, 1, 0) in 2-D). executorch's forward convolution
+  visitor stores the static weight in this layout.
+* ``HWOI``: QNN TransposeConv2d / TransposeConv3d filter for the input gradient.
+  TransposeConv takes ``[kH, kW, C_in_t, C_out_t / g]``; the backward convolution
+  reads ``C_in_t = C_out`` channels and produces ``C_out_t = C_in`` channels, so
+  its filter is ``[kH, kW, C_out, C_in/g]`` = HWIO permuted by ``hwio_to_hwoi``
+  ((0, 1, 3, 2) in 2-D).
+* ``NHWC``: activations inside QNN (NDHWC with three spatial dims).
 """
 
 from __future__ import annotations
@@ -27,8 +32,19 @@ import torch
 GRAD_OUTPUT, INPUT, WEIGHT, BIAS_SIZES, STRIDE, PADDING, DILATION = range(7)
 TRANSPOSED, OUTPUT_PADDING, GROUPS, OUTPUT_MASK = range(7, 11)
 
-OIHW_TO_HWIO = (2, 3, 1, 0)
-HWIO_TO_HWOI = (0, 1, 3, 2)
+
+def oihw_to_hwio(spatial: int) -> tuple[int, ...]:
+    """Permutation of a torch weight ``[O, I, *k]`` to the QNN filter ``[*k, I, O]``."""
+    return (*range(2, 2 + spatial), 1, 0)
+
+
+def hwio_to_hwoi(spatial: int) -> tuple[int, ...]:
+    """Permutation of ``[*k, I, O]`` to ``[*k, O, I]``: the last two dims exchanged."""
+    return (*range(spatial), spatial + 1, spatial)
+
+
+OIHW_TO_HWIO = oihw_to_hwio(2)
+HWIO_TO_HWOI = hwio_to_hwoi(2)
 
 
 class ConvArgumentError(ValueError):
@@ -169,26 +185,79 @@ def parse(node: torch.fx.Node) -> ConvBackward:
     )
 
 
+def transpose_conv_applies_groups(spatial_dims: int) -> bool:
+    """Whether the HTP's TransposeConv op for this many spatial dims honours ``group``.
+
+    Measured on the QAIRT 2.51 x86-64 simulator (V69 to V81): TransposeConv3d
+    ignores its group parameter. Given a filter ``[*k, C_in, C_out / g]`` and
+    ``group = g`` it computes an ungrouped transposed convolution into the first
+    ``C_out / g`` output channels and leaves the others zero (k=1, stride 1,
+    fitted by least squares). TransposeConv2d applies it.
+    """
+    return spatial_dims != 3
+
+
 @dataclasses.dataclass(frozen=True)
 class TransposedConvPlan:
-    """Parameters of the QNN TransposeConv2d, plus zeros appended to grad_output."""
+    """Parameters of the QNN TransposeConv, plus zeros appended to grad_output."""
 
     stride: tuple[int, ...]
     pad_amount: tuple[tuple[int, int], ...]  # per spatial dim: (begin, end) cropped
     output_padding: tuple[int, ...]
     grad_output_pad_end: tuple[int, ...]  # zero rows/cols appended to grad_output
-    groups: int
+    groups: int  # the op's group parameter
+    # Groups folded into a block-diagonal filter (the op then runs ungrouped); 1: none.
+    dense_groups: int = 1
+    # "crop": per spatial dim, the op's output size and the (begin, end) slice of it
+    # that is grad_input; empty when the op's parameters crop.
+    full_size: tuple[int, ...] = ()
+    result_slice: tuple[tuple[int, int], ...] = ()
 
     @property
     def uses_output_padding(self) -> bool:
         return any(self.output_padding)
 
 
-# How the output padding is expressed (Options.output_padding):
-#   "auto"      the TransposeConv2d parameter where the HTP computes it right, else "fold";
+def own_filter_reason(conv: ConvBackward) -> str | None:
+    """Why grad_input cannot read the shared HWIO weight through a Transpose (None: it can).
+
+    A dilated kernel (TransposeConv has no dilation parameter) and groups the op
+    does not apply both need a filter with zeros inserted: a static tensor of its own.
+    """
+    if any(d != 1 for d in conv.dilation):
+        return "a dilated convolution_backward builds its own (dilated) filter"
+    if conv.groups > 1 and not transpose_conv_applies_groups(conv.spatial_dims):
+        return (
+            f"a grouped {conv.spatial_dims}-D convolution_backward builds its own "
+            "block-diagonal filter (the TransposeConv op ignores groups)"
+        )
+    return None
+
+
+def _op_groups(conv: ConvBackward) -> dict[str, int]:
+    if transpose_conv_applies_groups(conv.spatial_dims):
+        return {"groups": conv.groups, "dense_groups": 1}
+    return {"groups": 1, "dense_groups": conv.groups}
+
+
+# How the padding and output padding are expressed (Options.output_padding):
+#   "auto"      TransposeConv2d: the parameter where the HTP computes it right, else
+#               "fold"; TransposeConv3d: "crop" (see transpose_conv_applies_padding);
 #   "parameter" always the parameter (reproduces the HTP defects; for tests);
-#   "fold"      never the parameter.
-OUTPUT_PADDING_MODES = ("auto", "parameter", "fold")
+#   "fold"      never the output_padding parameter;
+#   "crop"      neither pad_amount nor output_padding: the op yields its full
+#               extent and a StridedSlice cuts grad_input out of it.
+OUTPUT_PADDING_MODES = ("auto", "parameter", "fold", "crop")
+
+
+def transpose_conv_applies_padding(spatial_dims: int) -> bool:
+    """Whether the HTP's TransposeConv op for this many spatial dims crops as told.
+
+    Measured on the QAIRT 2.51 x86-64 simulator (V73, delta kernels): TransposeConv3d
+    crops the D dim by the H dim's pad_amount (pads (0, 1, 1) crop D by 1, (1, 0, 0)
+    by 0); equal pads in all three dims are right. TransposeConv2d crops as told.
+    """
+    return spatial_dims != 3
 
 
 def parameter_is_reliable(conv: ConvBackward) -> bool:
@@ -219,13 +288,15 @@ def plan_input_gradient(conv: ConvBackward, mode: str = "auto") -> TransposedCon
     if mode not in OUTPUT_PADDING_MODES:
         raise ValueError(f"output_padding mode {mode!r} is not one of {OUTPUT_PADDING_MODES}")
     op = conv.transposed_output_padding()
+    if mode == "crop" or (mode == "auto" and not transpose_conv_applies_padding(conv.spatial_dims)):
+        return _crop_plan(conv, op)
     if mode == "parameter" or (mode == "auto" and parameter_is_reliable(conv)):
         return TransposedConvPlan(
             stride=conv.stride,
             pad_amount=tuple((p, p) for p in conv.padding),
             output_padding=op,
             grad_output_pad_end=(0,) * conv.spatial_dims,
-            groups=conv.groups,
+            **_op_groups(conv),
         )
     pad_amount, extend = [], []
     for p, o, s in zip(conv.padding, op, conv.stride):
@@ -240,28 +311,80 @@ def plan_input_gradient(conv: ConvBackward, mode: str = "auto") -> TransposedCon
         pad_amount=tuple(pad_amount),
         output_padding=(0,) * conv.spatial_dims,
         grad_output_pad_end=tuple(extend),
-        groups=conv.groups,
+        **_op_groups(conv),
+    )
+
+
+def _crop_plan(conv: ConvBackward, op: tuple[int, ...]) -> TransposedConvPlan:
+    """The op uncropped; grad_input sliced out of its full extent.
+
+    The full extent is ``(o - 1) s + d (k - 1) + 1 = i + 2p - op``; grad_input is
+    ``[p, p + i)`` of it. Where ``op > p`` that reaches past the end: one zero
+    row appended to grad_output extends the full extent by ``s > op - p``.
+    """
+    full, extend, slices = [], [], []
+    for i, o, s, p, d, k, pad_out in zip(
+        conv.input_shape[2:],
+        conv.grad_output_shape[2:],
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        conv.kernel,
+        op,
+    ):
+        extra = 1 if pad_out > p else 0
+        full.append((int(o) + extra - 1) * s + d * (k - 1) + 1)
+        extend.append(extra)
+        slices.append((p, p + int(i)))
+    return TransposedConvPlan(
+        stride=conv.stride,
+        pad_amount=((0, 0),) * conv.spatial_dims,
+        output_padding=(0,) * conv.spatial_dims,
+        grad_output_pad_end=tuple(extend),
+        full_size=tuple(full),
+        result_slice=tuple(slices),
+        **_op_groups(conv),
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightGradPlan:
-    """The Conv2d that computes grad_weight (see builders/weight_gradient.py)."""
+    """The Conv2d / Conv3d that computes grad_weight (see builders/weight_gradient.py)."""
 
     stride: tuple[int, ...]  # the forward dilation
-    dilation: tuple[int, ...]  # the forward stride
+    dilation: tuple[int, ...]  # the op's dilation parameter: the forward stride, or 1s
     pad_amount: tuple[tuple[int, int], ...]
     output_size: tuple[int, ...]  # >= kernel; the excess is sliced off
+    # Where the op has no dilation: zeros inserted between the filter's taps
+    # (grad_output's elements) per spatial dim; 1: none.
+    filter_zero_stuffing: tuple[int, ...] = ()
+
+    @property
+    def stuffs_filter(self) -> bool:
+        return any(z > 1 for z in self.filter_zero_stuffing)
+
+
+def conv_applies_dilation(spatial_dims: int) -> bool:
+    """Whether the HTP's Conv op for this many spatial dims accepts a dilation > 1.
+
+    Measured on the QAIRT 2.51 x86-64 simulator: Conv3d with dilation 2 fails
+    QNN op validation ("has incorrect Value 2, expected equal to 1"); Conv2d
+    accepts it.
+    """
+    return spatial_dims != 3
 
 
 def plan_weight_gradient(conv: ConvBackward) -> WeightGradPlan:
-    """Conv2d of the batch/channel-swapped input with grad_output as filter.
+    """Convolution of the batch/channel-swapped input with grad_output as filter.
 
     The filter spans ``(o - 1) s + 1`` input elements (size o, dilation s), read
     at every ``d``-th position. With the forward padding at both ends it yields
     ``k + r // d`` positions, where ``r = i + 2p - d (k - 1) - 1 - (o - 1) s`` is
     what the forward convolution's floor division dropped; the end padding is
-    reduced by r where it can be, and anything left over is sliced off.
+    reduced by r where it can be, and anything left over is sliced off. Where
+    the op takes no dilation (``conv_applies_dilation``), the filter is dilated
+    by inserting ``s - 1`` zeros between its elements instead: same extent, same
+    output.
     """
     pads, sizes = [], []
     for i, o, s, p, d, k in zip(
@@ -276,9 +399,14 @@ def plan_weight_gradient(conv: ConvBackward) -> WeightGradPlan:
         end = max(p - dropped, 0)
         pads.append((p, end))
         sizes.append((int(i) + p + end - (int(o) - 1) * s - 1) // d + 1)
+    if conv_applies_dilation(conv.spatial_dims):
+        dilation, stuffing = conv.stride, (1,) * conv.spatial_dims
+    else:
+        dilation, stuffing = (1,) * conv.spatial_dims, conv.stride
     return WeightGradPlan(
         stride=conv.dilation,
-        dilation=conv.stride,
+        dilation=dilation,
         pad_amount=tuple(pads),
         output_size=tuple(sizes),
+        filter_zero_stuffing=stuffing,
     )

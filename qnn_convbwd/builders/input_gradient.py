@@ -31,13 +31,18 @@ class GradInputRequest:
     output_padding: str  # Options.output_padding
 
 
+# QNN's transposed convolution for each number of spatial dims (1-D is lifted to 2-D).
+_TRANSPOSE_CONV_OPS = {2: "OpTransposeConv2d", 3: "OpTransposeConv3d"}
+
+
 def transpose_conv(req: GradInputRequest) -> list:
-    """Transpose(static HWIO weight) -> HWOI; [zero Pad of grad_output ->] TransposeConv2d."""
+    """Transpose(static HWIO weight) -> HWOI; [zero Pad of grad_output ->] TransposeConv
+    [-> StridedSlice of its full extent, the "crop" plan]."""
     visitor, node = req.visitor, req.node
-    weight = weights.weight_for_input_gradient(
-        visitor, visitor.get_node(node.args[geo.WEIGHT]), node, req.nodes_to_wrappers
-    )
     plan = geo.plan_input_gradient(req.conv, req.output_padding)
+    weight = weights.weight_for_input_gradient(
+        visitor, visitor.get_node(node.args[geo.WEIGHT]), node, plan, req.nodes_to_wrappers
+    )
     ops = [] if weight.transpose is None else [weight.transpose]
     source = req.grad_output
     if any(plan.grad_output_pad_end):
@@ -59,13 +64,27 @@ def transpose_conv(req: GradInputRequest) -> list:
             )
         )
 
-    names = integration.get("OpTransposeConv2d")
-    tconv = qnn_ops.new_op(node.name, names.op_name, [source, weight.hwoi], [req.grad_input])
+    result = req.grad_input
+    if plan.result_slice:
+        n, *_, channels = req.grad_input_value.shape  # NHWC
+        result = qnn_ops.native_tensor(
+            visitor,
+            f"{node.name}_full",
+            [n, *plan.full_size, channels],
+            req.grad_input_value.dtype,
+            req.nodes_to_wrappers,
+        )
+    names = integration.get(_TRANSPOSE_CONV_OPS[req.conv.spatial_dims])
+    tconv = qnn_ops.new_op(node.name, names.op_name, [source, weight.hwoi], [result])
     qnn_ops.uint32_param(tconv, names.param_stride, plan.stride)
     qnn_ops.uint32_param(tconv, names.param_pad_amount, plan.pad_amount)
     qnn_ops.uint32_param(tconv, names.param_output_padding, plan.output_padding)
     qnn_ops.uint32_scalar(tconv, names.param_group, plan.groups)
     ops.append(tconv)
+    if plan.result_slice:
+        n, *_, channels = req.grad_input_value.shape
+        ranges = [[0, n, 1], *([b, e, 1] for b, e in plan.result_slice), [0, channels, 1]]
+        ops.append(qnn_ops.strided_slice(f"{node.name}_crop", result, req.grad_input, ranges))
     return ops
 
 

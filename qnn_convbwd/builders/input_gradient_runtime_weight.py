@@ -91,7 +91,7 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
 
     Every op reading the weight gets the wrapper cached under its name, so the
     runtime HWIO tensor is only made where all readers expect HWIO: non-transposed
-    2-D convolutions and convolution_backward, with at least one convolution and
+    2-D and 3-D convolutions and convolution_backward, with at least one convolution and
     one convolution_backward that computes grad_input.
     """
     if not isinstance(weight_node, torch.fx.Node):
@@ -105,13 +105,18 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
         return f"also read by {others}"
     if any(u.args[_CONV_TRANSPOSED] for u in forward):
         return "read by a transposed convolution"
-    if any(d != 1 for u in users if _reads_weight_values(u) for d in u.args[geo.DILATION]):
-        return "a dilated convolution_backward builds its own (dilated) filter"
+    for user in filter(_reads_weight_values, users):
+        try:
+            own = geo.own_filter_reason(geo.parse(user))
+        except geo.ConvArgumentError as err:
+            own = f"{user.name}: {err}"
+        if own is not None:
+            return own
     if not integration.get("is_parameter")(weight_node, visitor.edge_program):
         return "weight is not a parameter of the program"
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
-    if weight.dim() != 4:
-        return f"not a 2-D convolution (weight rank {weight.dim()})"
+    if weight.dim() not in (4, 5):
+        return f"not a 2-D or 3-D convolution (weight rank {weight.dim()})"
     if not weight.dtype.is_floating_point:
         return f"weight dtype {weight.dtype}"
     quant_key = integration.get("QCOM_QUANT_ATTRS")
@@ -206,7 +211,7 @@ def provide_runtime_weight(
         return []
 
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
-    hwio = weight.permute(geo.OIHW_TO_HWIO).contiguous()
+    hwio = weight.permute(geo.oihw_to_hwio(weight.dim() - 2)).contiguous()
     numel = hwio.numel()
     raw_shape, padded = raw_layout(numel)
     flat = hwio.reshape(-1)

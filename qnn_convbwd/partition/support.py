@@ -36,7 +36,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16)
 # number of spatial dims, dilation) means adding its name here together with the
 # builder code that handles it; the rules below read this set when they run.
 CAPABILITIES: frozenset[str] = frozenset(
-    {"grad_input", "grad_weight", "grad_bias", "conv1d", "conv2d", "dilation"}
+    {"grad_input", "grad_weight", "grad_bias", "conv1d", "conv2d", "conv3d", "dilation"}
 )
 # Every name a rule understands, including those no builder handles yet.
 KNOWN_CAPABILITIES: frozenset[str] = frozenset(
@@ -252,6 +252,25 @@ def expressible_output_padding(node, conv, target):
         return _reject(
             "grad_input shape needs an output_padding outside [0, stride)",
             f"output_padding={list(op)}, stride={list(conv.stride)}",
+        )
+    return None
+
+
+@rule
+def transpose_conv3d_strides(node, conv, target):
+    # Measured with QAIRT 2.51 on the x86-64 simulator (V69, V73): TransposeConv3d
+    # (NDHWC) computes wrong values when its H and W strides differ (strides
+    # (1, 2, 1), (2, 2, 1): errors as large as the outputs) or fails to compile
+    # ((1, 1, 2), (2, 1, 2): "graph prepare failed"). Equal H and W strides with
+    # any D stride ((2, 1, 1), (1, 2, 2), (3, 2, 2), (2, 2, 2)) are right.
+    if not conv.output_mask[0] or conv.spatial_dims != 3:
+        return None
+    _, h, w = conv.stride
+    if h != w:
+        return _reject(
+            "the HTP's TransposeConv3d (grad_input) is wrong or fails to compile "
+            "when its H and W strides differ",
+            f"stride={list(conv.stride)}",
         )
     return None
 

@@ -138,7 +138,12 @@ def _int32_param(op, name: str, values) -> None:
 
 
 def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_wrappers):
-    """Ops computing a tensor of ones ``[1] * rank`` from ``sample_node``'s first element."""
+    """Ops computing a ``[1, 1, 1, 1]`` tensor of ones from ``sample_node``'s first element.
+
+    The ones have the stored tensor's rank (4) whatever the sample's: the HTP's
+    element-wise ops reject rank 5 (measured: ElementWiseOr fails op validation
+    with "incorrect Rank 5"), so a 3-D convolution's NDHWC sample is reshaped first.
+    """
     sample_value = visitor.get_tensor(sample_node, build_node)
     source = visitor.define_tensor(
         sample_node,
@@ -148,15 +153,15 @@ def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_
         nodes_to_wrappers,
     )
     rank = sample_value.dim()
-    unit = [1] * rank
+    unit = [1] * (1 + len(RAW_BLOCK))  # the stored tensor's rank: [1, H, 8, 32]
 
-    def tensor(name: str, tensor_dtype: torch.dtype):
+    def tensor(name: str, tensor_dtype: torch.dtype, shape=unit):
         return qnn_ops.native_tensor(
-            visitor, f"{prefix}_{name}", unit, tensor_dtype, nodes_to_wrappers
+            visitor, f"{prefix}_{name}", shape, tensor_dtype, nodes_to_wrappers
         )
 
     value, same, differs, either, one = (
-        tensor("sample", sample_value.dtype),
+        tensor("sample", sample_value.dtype, [1] * rank),
         tensor("same", torch.bool),
         tensor("differs", torch.bool),
         tensor("either", torch.bool),
@@ -165,8 +170,17 @@ def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_
     slice_names = integration.get("OpStridedSlice")
     sample = qnn_ops.new_op(f"{prefix}_sample", slice_names.op_name, [source], [value])
     _int32_param(sample, slice_names.param_ranges, [[0, 1, 1]] * rank)
+    head = [sample]
+    if rank != len(unit):
+        flat = tensor("sample_flat", sample_value.dtype)
+        head.append(
+            qnn_ops.new_op(
+                f"{prefix}_sample_flat", integration.get("OpReshape").op_name, [value], [flat]
+            )
+        )
+        value = flat
     ops = [
-        sample,
+        *head,
         qnn_ops.new_op(
             f"{prefix}_same", integration.get("OpElementWiseEqual").op_name, [value, value], [same]
         ),

@@ -340,12 +340,28 @@ CASES: tuple[Case, ...] = (
             _BASE,
             kernel=(3, 3, 3),
             input_size=(5, 6, 5),
-            stride=(1, 2, 1),
+            stride=(1, 2, 2),
             padding=(1, 1, 1),
             dilation=(1, 1, 1),
         ),
         "spatial_dims",
         frozenset({"grad_input", "conv3d"}),
+        cpu_kernel_refuses=_ONLY_2D,
+    ),
+    # A TransposeConv3d defect (see the rule): no capability lifts it, and the
+    # CPU kernel cannot run a 3-D node, so the program fails loudly at run time.
+    Case(
+        "conv3d_unequal_hw_strides",
+        dataclasses.replace(
+            _BASE,
+            kernel=(3, 3, 3),
+            input_size=(5, 6, 5),
+            stride=(1, 2, 1),
+            padding=(1, 1, 1),
+            dilation=(1, 1, 1),
+        ),
+        "transpose_conv3d_strides",
+        None,
         cpu_kernel_refuses=_ONLY_2D,
     ),
     # Operands.

@@ -91,6 +91,44 @@ def generate_configs(count: int, seed: int = 0) -> list[Config]:
     return configs
 
 
+# Every output_mask that asks for something.
+ALL_MASKS = tuple(
+    m
+    for m in ((a, b, c) for a in (True, False) for b in (True, False) for c in (True, False))
+    if any(m)
+)
+
+
+def generate_3d_configs(count: int, seed: int = 0) -> list[Config]:
+    """Deterministic 3-D spread: strides 1-2 (equal in H and W, which TransposeConv3d
+    needs; D free), padding 0-1, kernels 1-3 incl. 3x1x1 and 2x3x3, groups 1 / 2 /
+    depthwise, every output_mask, odd and even sizes, batch 1 and 2."""
+    rng = random.Random(seed)
+    kernels = [(3, 3, 3), (1, 1, 1), (3, 1, 1), (2, 3, 3), (1, 3, 3), (3, 2, 2)]
+    configs: list[Config] = []
+    while len(configs) < count:
+        kind = len(configs) % 3  # rotate groups: 1, 2, depthwise
+        cin = rng.choice([2, 4, 6])
+        if kind == 0:
+            groups, cout = 1, rng.choice([2, 4, 6])
+        elif kind == 1:
+            groups, cout = 2, rng.choice([2, 4, 6])
+        else:
+            groups, cout = cin, cin * rng.choice([1, 2])
+        kernel = kernels[len(configs) % len(kernels)]
+        hw = rng.randint(1, 2)
+        stride = (rng.randint(1, 2), hw, hw)
+        padding = tuple(rng.randint(0, min(1, k - 1)) for k in kernel)
+        size = tuple(rng.randint(3, 7) for _ in kernel)
+        mask = ALL_MASKS[len(configs) % len(ALL_MASKS)]
+        config = Config(
+            rng.choice([1, 2]), cin, cout, kernel, stride, padding, groups, size, mask=mask
+        )
+        if config.valid():
+            configs.append(config)
+    return configs
+
+
 class ConvBackwardBank(nn.Module):
     """forward(*grad_outputs) -> every config's grad_input (output_mask [T, F, F])."""
 
@@ -137,6 +175,26 @@ class ConvBackwardBank(nn.Module):
 
     def export(self) -> torch.export.ExportedProgram:
         return torch.export.export(self, self.example_inputs(), strict=True)
+
+
+U_FP16 = 2.0**-11
+
+
+def assert_bank_matches(compiled, bank: ConvBackwardBank, factor: float = 4.0) -> float:
+    """Every output of a compiled bank within ``factor`` u of its fp16 error scale;
+    returns the worst ratio (in u)."""
+    grad_outputs = bank.example_inputs()
+    got = iter(compiled.run(grad_outputs))
+    expected = iter(bank(*grad_outputs))
+    worst = 0.0
+    for i, (config, g) in enumerate(zip(bank.configs, grad_outputs, strict=True)):
+        bounds = fp16_error_bounds(config, bank.weights[i], getattr(bank, f"input_{i}"), g)
+        for bound in bounds:
+            a, b = next(got), next(expected)
+            ratio = ((a - b).abs() / (U_FP16 * bound + 1e-6)).max().item()
+            assert ratio <= factor, f"{config}: error {ratio:.2f} u-bounds"
+            worst = max(worst, ratio)
+    return worst
 
 
 def fp16_error_bounds(

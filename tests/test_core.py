@@ -90,7 +90,8 @@ def test_enabled_context_restores_prior_state():
 
 
 def _qnn_transpose_conv_reference(g, w, plan: geo.TransposedConvPlan) -> torch.Tensor:
-    """QNN TransposeConv2d semantics in torch: full extent, + output_padding, crop."""
+    """QNN TransposeConv2d semantics in torch: full extent, + output_padding, crop
+    [, then the plan's StridedSlice ("crop" plan)]."""
     g = nn.functional.pad(
         g, [x for extra in reversed(plan.grad_output_pad_end) for x in (0, extra)]
     )
@@ -99,7 +100,11 @@ def _qnn_transpose_conv_reference(g, w, plan: geo.TransposedConvPlan) -> torch.T
     crops = [slice(None), slice(None)]
     for dim, (begin, end) in enumerate(plan.pad_amount):
         crops.append(slice(begin, full.shape[2 + dim] - end))
-    return full[tuple(crops)]
+    result = full[tuple(crops)]
+    if plan.result_slice:
+        assert tuple(result.shape[2:]) == plan.full_size
+        result = result[(slice(None), slice(None), *(slice(b, e) for b, e in plan.result_slice))]
+    return result
 
 
 @pytest.mark.parametrize("mode", geo.OUTPUT_PADDING_MODES)
@@ -113,8 +118,10 @@ def test_every_output_padding_plan_computes_aten_grad_input(mode):
         plan = geo.plan_input_gradient(conv, mode)
         got = _qnn_transpose_conv_reference(g, bank.weights[0], plan)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=str(config))
-        if mode == "fold":
+        if mode in ("fold", "crop"):
             assert not plan.uses_output_padding
+        if mode == "crop":
+            assert not any(p for pads in plan.pad_amount for p in pads)
         checked += 1
     assert checked == 60
 

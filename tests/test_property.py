@@ -134,6 +134,8 @@ def expected_rule(config: cases.ConvConfig, soc: str) -> str | None:
         return "dilation"
     out_size = config.forward_output_size()
     padded = [i + 2 * p for i, p in zip(config.input_size, config.padding)]
+    if config.output_mask[0] and config.spatial_dims == 3 and config.stride[1] != config.stride[2]:
+        return "transpose_conv3d_strides"  # TransposeConv3d defect (see the rule)
     if (
         config.output_mask[1]
         and 1 < config.groups == config.in_channels
@@ -205,6 +207,27 @@ def dilated(weight: torch.Tensor, dilation) -> torch.Tensor:
     return out
 
 
+def dense(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """A grouped ``[C_out, C_in/g, *k]`` weight as the block-diagonal ``[C_out, C_in, *k]``
+    an ungrouped op computes the same with (TransposeConv3d ignores groups)."""
+    if groups == 1:
+        return weight
+    out_c, in_g = weight.shape[:2]
+    per = out_c // groups
+    result = weight.new_zeros(out_c, in_g * groups, *weight.shape[2:])
+    for g in range(groups):
+        result[g * per : (g + 1) * per, g * in_g : (g + 1) * in_g] = weight[g * per : (g + 1) * per]
+    return result
+
+
+def _slice_result(x: torch.Tensor, plan: geo.TransposedConvPlan) -> torch.Tensor:
+    """The "crop" plan's StridedSlice of the op's full extent."""
+    if not plan.result_slice:
+        return x
+    assert tuple(x.shape[2:]) == plan.full_size
+    return x[(slice(None), slice(None), *(slice(b, e) for b, e in plan.result_slice))]
+
+
 def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
     """Every output_padding mode's plan gives aten's grad_input (in the model)."""
     grad_output = built.inputs[0].double()
@@ -213,14 +236,17 @@ def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
     (want, *_), (scale, *_) = reference64(built), magnitude64(built)
     for mode in geo.OUTPUT_PADDING_MODES:
         plan = geo.plan_input_gradient(conv, mode)
+        assert plan.groups * plan.dense_groups == conv.groups
+        op_weight = dense(weight, plan.dense_groups)
         got = qnn_transpose_conv(
             _pad_end(grad_output, plan.grad_output_pad_end),
-            weight,
+            op_weight,
             plan.stride,
             plan.pad_amount,
             plan.output_padding,
             plan.groups,
         )
+        got = _slice_result(got, plan)
         ratio = ratio_to_magnitude(got, want, scale)
         assert ratio < 1e-12, f"plan({mode}) {plan} is off by {ratio:.3g} x magnitude"
         if mode == "parameter":
@@ -229,7 +255,7 @@ def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
             transpose = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
             torch_got = transpose[conv.spatial_dims - 1](
                 grad_output,
-                weight,
+                op_weight,
                 stride=plan.stride,
                 padding=tuple(b for b, _ in plan.pad_amount),
                 output_padding=plan.output_padding,
@@ -296,11 +322,21 @@ def _nchw_dim(nhwc_dim: int, rank: int) -> int:
     return {0: 0, rank - 1: 1}.get(nhwc_dim, nhwc_dim + 1)
 
 
-def _model_op(op: EmittedOp, x: torch.Tensor, weight_iohw: torch.Tensor) -> torch.Tensor | None:
+TRANSPOSE_CONVS = ("TransposeConv2d", "TransposeConv3d")
+
+
+def _model_op(
+    op: EmittedOp, x: torch.Tensor, weight_iohw: torch.Tensor, groups: int
+) -> torch.Tensor | None:
     """What ``op`` computes from ``x`` (its first input), for the ops on the
-    grad_output -> grad_input path; None for ops this model does not cover."""
+    grad_output -> grad_input path; None for ops this model does not cover.
+    ``weight_iohw`` is grouped by the convolution's ``groups``; an op that runs
+    ungrouped gets it block-diagonal."""
     rank = x.dim()
-    if op.type == "TransposeConv2d":
+    if op.type in TRANSPOSE_CONVS:
+        if op.params["group"] != groups:
+            assert op.params["group"] == 1, op.params
+            weight_iohw = dense(weight_iohw, groups)
         return qnn_transpose_conv(
             x,
             weight_iohw,
@@ -326,13 +362,13 @@ def _model_op(op: EmittedOp, x: torch.Tensor, weight_iohw: torch.Tensor) -> torc
 
 
 def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Tensor:
-    """Follow grad_output through the emitted Pad / TransposeConv2d / StridedSlice ops.
+    """Follow grad_output through the emitted Pad / TransposeConv / StridedSlice ops.
 
     The parameters are the ones handed to QNN; the filter is taken as torch's
     weight (the weight's own path is checked by the simulator runs).
     """
-    tconvs = [op for op in emitted if op.type == "TransposeConv2d"]
-    assert tconvs, f"no TransposeConv2d among {[op.type for op in emitted]}"
+    tconvs = [op for op in emitted if op.type in TRANSPOSE_CONVS]
+    assert tconvs, f"no TransposeConv among {[op.type for op in emitted]}"
     producer = {out: op for op in emitted for out in op.outputs}
     root = tconvs[-1].inputs[0]
     while root in producer and producer[root].type in ("Pad", "StridedSlice"):
@@ -346,7 +382,7 @@ def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Te
     values = {root: grad_output}
     for op in emitted:
         if op.inputs and op.inputs[0] in values:
-            result = _model_op(op, values[op.inputs[0]], weight_iohw)
+            result = _model_op(op, values[op.inputs[0]], weight_iohw, built.config.groups)
             if result is not None:
                 values[op.outputs[0]] = result
     end = tconvs[-1].outputs[0]
@@ -548,7 +584,7 @@ def test_compiled(request, qnn_sdk):
         expected = built.expected(built.inputs)
         magnitude = built.magnitude(built.inputs)
         if not row.delegated:
-            assert not [op for op in emitted if op.type == "TransposeConv2d"]
+            assert not [op for op in emitted if op.type in TRANSPOSE_CONVS]
         if row.delegated:
             assert harness.delegate_count(compiled.edge) == 1
             if config.output_mask[0]:

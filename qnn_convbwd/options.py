@@ -7,9 +7,10 @@ import dataclasses
 
 @dataclasses.dataclass
 class Options:
-    # How TransposeConv2d's output padding is expressed: "auto", "parameter" or
-    # "fold" (see builders.conv_geometry.plan_input_gradient). "auto" avoids the
-    # parameter where the HTP computes it wrongly (depthwise; beyond full extent).
+    # How TransposeConv's padding and output padding are expressed: "auto",
+    # "parameter", "fold" or "crop" (see builders.conv_geometry.plan_input_gradient).
+    # "auto" avoids the parameters where the HTP computes them wrongly (2-D:
+    # depthwise, beyond full extent; 3-D: always "crop").
     output_padding: str = "auto"
     # How grad_input is built: a key of builders.input_gradient.FORMULATIONS.
     # "runtime_weight" stores a weight shared with a forward Conv2d once (the

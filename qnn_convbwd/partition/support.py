@@ -258,7 +258,7 @@ def expressible_output_padding(node, conv, target):
 
 @rule
 def transpose_conv3d_strides(node, conv, target):
-    # Measured with QAIRT 2.51 on the x86-64 simulator (V69, V73): TransposeConv3d
+    # Measured with QAIRT 2.51 on the x86-64 simulator (V69 to V81): TransposeConv3d
     # (NDHWC) computes wrong values when its H and W strides differ (strides
     # (1, 2, 1), (2, 2, 1): errors as large as the outputs) or fails to compile
     # ((1, 1, 2), (2, 1, 2): "graph prepare failed"). Equal H and W strides with

@@ -330,12 +330,13 @@ def _model_op(
 ) -> torch.Tensor | None:
     """What ``op`` computes from ``x`` (its first input), for the ops on the
     grad_output -> grad_input path; None for ops this model does not cover.
-    ``weight_iohw`` is grouped by the convolution's ``groups``; an op that runs
-    ungrouped gets it block-diagonal."""
+    ``weight_iohw`` is grouped by the convolution's ``groups``. The HTP's
+    TransposeConv3d ignores its group parameter: the plugin must run it
+    ungrouped, with the filter block-diagonal (``geo.transpose_conv_applies_groups``)."""
     rank = x.dim()
     if op.type in TRANSPOSE_CONVS:
-        if op.params["group"] != groups:
-            assert op.params["group"] == 1, op.params
+        if op.type == "TransposeConv3d":
+            assert op.params["group"] == 1, f"{op.name}: group {op.params['group']} is ignored"
             weight_iohw = dense(weight_iohw, groups)
         return qnn_transpose_conv(
             x,

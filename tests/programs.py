@@ -100,9 +100,9 @@ ALL_MASKS = tuple(
 
 
 def generate_3d_configs(count: int, seed: int = 0) -> list[Config]:
-    """Deterministic 3-D spread: strides 1-2 (equal in H and W, which TransposeConv3d
-    needs; D free), padding 0-1, kernels 1-3 incl. 3x1x1 and 2x3x3, groups 1 / 2 /
-    depthwise, every output_mask, odd and even sizes, batch 1 and 2."""
+    """Deterministic 3-D spread: strides 1-2 per dim (H != W ones make grad_input
+    reorder its spatial dims), padding 0-1, kernels 1-3 incl. 3x1x1 and 2x3x3,
+    groups 1 / 2 / depthwise, every output_mask, odd and even sizes, batch 1 and 2."""
     rng = random.Random(seed)
     kernels = [(3, 3, 3), (1, 1, 1), (3, 1, 1), (2, 3, 3), (1, 3, 3), (3, 2, 2)]
     configs: list[Config] = []
@@ -116,8 +116,7 @@ def generate_3d_configs(count: int, seed: int = 0) -> list[Config]:
         else:
             groups, cout = cin, cin * rng.choice([1, 2])
         kernel = kernels[len(configs) % len(kernels)]
-        hw = rng.randint(1, 2)
-        stride = (rng.randint(1, 2), hw, hw)
+        stride = tuple(rng.randint(1, 2) for _ in kernel)
         padding = tuple(rng.randint(0, min(1, k - 1)) for k in kernel)
         size = tuple(rng.randint(3, 7) for _ in kernel)
         mask = ALL_MASKS[len(configs) % len(ALL_MASKS)]

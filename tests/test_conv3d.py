@@ -1,14 +1,15 @@
 """3-D convolution_backward on HTP (issue 6, item 5).
 
 grad_input is a TransposeConv3d, grad_weight a Conv3d with batch and channels
-exchanged, grad_bias a ReduceSum, all on NDHWC activations. Three defects of the
+exchanged, grad_bias a ReduceSum, all on NDHWC activations. Four defects of the
 QNN 3-D ops (QAIRT 2.51 simulator) shape the lowering (``builders/conv_geometry.py``):
 TransposeConv3d ignores ``group`` (the filter is made block-diagonal and the op
 runs ungrouped), crops D by H's ``pad_amount`` (the "crop" plan: the op runs
-unpadded and a StridedSlice cuts grad_input out), and Conv3d rejects dilation
-(grad_weight's filter gets zeros inserted instead). The fourth, TransposeConv3d
-with different H and W strides, keeps the node on CPU
-(``tests/cases.py``: ``conv3d_unequal_hw_strides``, run by ``test_gates.py``).
+unpadded and a StridedSlice cuts grad_input out), is wrong when its H and W
+strides differ (the spatial dims are reordered around it), and Conv3d rejects
+dilation (grad_weight's filter gets zeros inserted instead). Three different
+strides keep a grad_input node on CPU (``tests/cases.py``:
+``conv3d_three_strides``, run by ``test_gates.py``).
 
 Tolerances as in ``test_full_backward.py``: 4u times each output's sum of |terms|.
 """
@@ -27,8 +28,8 @@ CONFIGS = [
     *generate_3d_configs(12, seed=3),
     # Dilation in every dim (a dilated TransposeConv3d filter; Conv3d stride 2).
     Config(1, 4, 4, (3, 3, 3), (1, 1, 1), (2, 2, 2), 1, (6, 7, 6), (2, 2, 2), ALL_MASKS[0]),
-    # H != W strides: grad_weight alone is delegated (only TransposeConv3d has the defect).
-    Config(2, 4, 6, (3, 3, 3), (1, 2, 1), (1, 1, 1), 2, (5, 6, 5), mask=(False, True, True)),
+    # H != W strides (TransposeConv3d runs with the spatial dims reordered), grouped.
+    Config(2, 4, 6, (3, 2, 3), (1, 1, 2), (1, 0, 1), 2, (5, 6, 7), mask=ALL_MASKS[0]),
     # Output padding beyond the padding (grad_output gets a zero row appended).
     Config(1, 4, 6, (3, 3, 3), (2, 2, 2), (0, 0, 0), 1, (6, 6, 6)),
 ]
@@ -45,6 +46,11 @@ def _assert_structure(graphs, configs: list[Config]) -> None:
     assert types.count("TransposeConv3d") == sum(c.mask[0] for c in configs)
     assert types.count("Conv3d") == sum(c.mask[1] for c in configs)
     assert types.count("ReduceSum") == sum(c.mask[2] for c in configs)
+    # H != W strides: grad_output transposed to the reordered dims and grad_input back.
+    reordered = sum(c.mask[0] and c.stride[1] != c.stride[2] for c in configs)
+    for suffix in ("_reorder", "_restore"):
+        moved = [op for g in graphs for op in g if op.name.endswith(suffix)]
+        assert len(moved) == reordered and {op.op_type for op in moved} <= {"Transpose"}
     ops = [op for graph in graphs for op in graph]
     readers = {}
     for op in ops:
@@ -80,13 +86,13 @@ def test_conv3d_backward_matches_aten(qnn_sdk, soc):
 
 class Video3d(torch.nn.Module):
     """A small video-style stack: trainable 1x1x1 adapter, trainable 3-D backbone with a
-    (1, 2, 2)-strided conv and a grouped conv."""
+    (2, 1, 2)-strided conv (grad_input reorders its spatial dims) and a grouped conv."""
 
     def __init__(self) -> None:
         super().__init__()
         self.adapter = torch.nn.Conv3d(4, 4, 1)
         self.backbone = torch.nn.Sequential(
-            torch.nn.Conv3d(4, 8, 3, stride=(1, 2, 2), padding=1),
+            torch.nn.Conv3d(4, 8, 3, stride=(2, 1, 2), padding=1),
             torch.nn.ReLU(),
             torch.nn.Conv3d(8, 8, 3, padding=1, groups=2),
         )
@@ -125,12 +131,14 @@ def test_conv3d_training_graph_runs_every_convolution_on_htp(qnn_sdk):
         return {t for op in ops for t in op.inputs if t.name.split("@")[0] == name}
 
     # backbone.0 (groups 1): one static copy in the flat [1, H, 8, 32] layout; the
-    # forward Conv3d and the backward's Transpose read the runtime DHWIO tensor.
+    # forward Conv3d and the backward's Transpose read the runtime DHWIO tensor. Its
+    # strides (2, 1, 2) run TransposeConv3d with D and H exchanged: (1, 2, 2).
     stored = {t for t in tensors("p_backbone_0_weight") if t.is_static}
     assert len(stored) == 1 and next(iter(stored)).dims[2:] == (8, 32), stored
+    hwoi = "p_backbone_0_weight_convbwd_hwoi_order102"
     filters = {op.inputs[1] for op in ops if op.op_type in ("Conv3d", "TransposeConv3d")}
-    assert {t.name for t in filters} >= {"p_backbone_0_weight", "p_backbone_0_weight_convbwd_hwoi"}
-    assert not any(t.is_static for t in tensors("p_backbone_0_weight_convbwd_hwoi"))
+    assert {t.name for t in filters} >= {"p_backbone_0_weight", hwoi}
+    assert not any(t.is_static for t in tensors(hwoi))
     # backbone.2 (groups 2): static DHWIO for the forward, a block-diagonal static
     # DHWOI for the ungrouped TransposeConv3d.
     assert {t.dims for t in tensors("p_backbone_2_weight") if t.is_static} == {(3, 3, 3, 4, 8)}

@@ -134,7 +134,7 @@ def expected_rule(config: cases.ConvConfig, soc: str) -> str | None:
         return "dilation"
     out_size = config.forward_output_size()
     padded = [i + 2 * p for i, p in zip(config.input_size, config.padding)]
-    if config.output_mask[0] and config.spatial_dims == 3 and config.stride[1] != config.stride[2]:
+    if config.output_mask[0] and config.spatial_dims == 3 and len(set(config.stride)) == 3:
         return "transpose_conv3d_strides"  # TransposeConv3d defect (see the rule)
     if (
         config.output_mask[1]
@@ -326,10 +326,16 @@ TRANSPOSE_CONVS = ("TransposeConv2d", "TransposeConv3d")
 
 
 def _model_op(
-    op: EmittedOp, x: torch.Tensor, weight_iohw: torch.Tensor, groups: int
-) -> torch.Tensor | None:
+    op: EmittedOp,
+    x: torch.Tensor,
+    order: tuple[int, ...],
+    weight_iohw: torch.Tensor,
+    groups: int,
+) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """What ``op`` computes from ``x`` (its first input), for the ops on the
     grad_output -> grad_input path; None for ops this model does not cover.
+    ``order``: which of the convolution's spatial dims each spatial dim of ``x``
+    is (a Transpose may reorder them); returned with the result.
     ``weight_iohw`` is grouped by the convolution's ``groups``. The HTP's
     TransposeConv3d ignores its group parameter: the plugin must run it
     ungrouped, with the filter block-diagonal (``geo.transpose_conv_applies_groups``)."""
@@ -338,7 +344,8 @@ def _model_op(
         if op.type == "TransposeConv3d":
             assert op.params["group"] == 1, f"{op.name}: group {op.params['group']} is ignored"
             weight_iohw = dense(weight_iohw, groups)
-        return qnn_transpose_conv(
+        weight_iohw = weight_iohw.permute(0, 1, *(2 + o for o in order))
+        result = qnn_transpose_conv(
             x,
             weight_iohw,
             op.params["stride"],
@@ -346,6 +353,7 @@ def _model_op(
             op.params["output_padding"],
             op.params["group"],
         )
+        return result, order
     if op.type == "Pad":
         amounts = op.params["pad_amount"]
         assert op.params.get("scheme", 0) == 0 and op.params.get("pad_constant_value", 0) == 0
@@ -353,26 +361,41 @@ def _model_op(
         for d, (begin, end) in enumerate(amounts):
             i = _nchw_dim(d, rank)
             pads[2 * (rank - 1 - i)], pads[2 * (rank - 1 - i) + 1] = begin, end
-        return F.pad(x, pads)
+        return F.pad(x, pads), order
     if op.type == "StridedSlice":
         index = [slice(None)] * rank
         for d, (begin, end, step) in enumerate(op.params["ranges"]):
             index[_nchw_dim(d, rank)] = slice(begin, end, step)
-        return x[tuple(index)]
+        return x[tuple(index)], order
+    if op.type == "Transpose":
+        perm = list(op.params["perm"])  # NHWC: result dim i is source dim perm[i]
+        assert perm[0] == 0 and perm[-1] == rank - 1, f"{op.name} moves N or C: {perm}"
+        spatial = [p - 1 for p in perm[1:-1]]
+        return x.permute(0, 1, *(2 + p for p in spatial)), tuple(order[p] for p in spatial)
     return None
 
 
 def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Tensor:
-    """Follow grad_output through the emitted Pad / TransposeConv / StridedSlice ops.
+    """Follow grad_output through the emitted Transpose / Pad / TransposeConv /
+    StridedSlice / Transpose ops of the node.
 
     The parameters are the ones handed to QNN; the filter is taken as torch's
-    weight (the weight's own path is checked by the simulator runs).
+    weight, its kernel dims in the order the activations' Transposes give (the
+    weight's own path is checked by the simulator runs).
     """
     tconvs = [op for op in emitted if op.type in TRANSPOSE_CONVS]
     assert tconvs, f"no TransposeConv among {[op.type for op in emitted]}"
+    tconv = tconvs[-1]
+
+    # The node's own ops around its TransposeConv (builders/input_gradient.py names them).
+    around = {f"{tconv.name}_{step}" for step in ("reorder", "pad", "crop", "restore")}
+
+    def on_path(op: EmittedOp) -> bool:
+        return op.name in around
+
     producer = {out: op for op in emitted for out in op.outputs}
-    root = tconvs[-1].inputs[0]
-    while root in producer and producer[root].type in ("Pad", "StridedSlice"):
+    root = tconv.inputs[0]
+    while root in producer and on_path(producer[root]):
         root = producer[root].inputs[0]
     # conv weight OIHW = [C_in_t, C_out_t/g, k]
     weight_iohw = dilated(built.module.weight.double(), built.config.dilation)
@@ -380,17 +403,19 @@ def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Te
     one_d = built.config.spatial_dims == 1
     if one_d:  # lowered as 2-D with a unit height (passes/conv1d.py)
         weight_iohw, grad_output = weight_iohw.unsqueeze(2), grad_output.unsqueeze(2)
-    values = {root: grad_output}
+    values = {root: (grad_output, tuple(range(grad_output.dim() - 2)))}
     for op in emitted:
-        if op.inputs and op.inputs[0] in values:
-            result = _model_op(op, values[op.inputs[0]], weight_iohw, built.config.groups)
+        if op.inputs and op.inputs[0] in values and (op is tconv or on_path(op)):
+            result = _model_op(op, *values[op.inputs[0]], weight_iohw, built.config.groups)
             if result is not None:
                 values[op.outputs[0]] = result
-    end = tconvs[-1].outputs[0]
-    consumer = {op.inputs[0]: op for op in emitted if op.type in ("Pad", "StridedSlice")}
+    end = tconv.outputs[0]
+    consumer = {op.inputs[0]: op for op in emitted if on_path(op)}
     while end in consumer:
         end = consumer[end].outputs[0]
-    return values[end].squeeze(2) if one_d else values[end]
+    value, order = values[end]
+    assert order == tuple(sorted(order)), f"grad_input left with spatial dims in order {order}"
+    return value.squeeze(2) if one_d else value
 
 
 def check_emitted(emitted: list[EmittedOp], built: cases.Built, tier: str) -> None:
@@ -670,7 +695,9 @@ def test_model_notices_any_wrong_parameter():
         ops = []
         if any(plan.grad_output_pad_end):
             amounts = [[0, 0], *([0, e] for e in plan.grad_output_pad_end), [0, 0]]
-            ops.append(EmittedOp("pad", "Pad", {"pad_amount": amounts}, [tconv_in], ["padded"]))
+            ops.append(
+                EmittedOp("tconv_pad", "Pad", {"pad_amount": amounts}, [tconv_in], ["padded"])
+            )
             tconv_in = "padded"
         params = {
             "stride": list(plan.stride),

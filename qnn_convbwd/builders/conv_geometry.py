@@ -24,6 +24,7 @@ names below stand for those layouts too:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -132,6 +133,26 @@ class ConvBackward:
                 self.dilation,
                 self.kernel,
             )
+        )
+
+    def with_spatial_order(self, order: Sequence[int]) -> ConvBackward:
+        """The same convolution with its spatial dims taken in ``order``."""
+
+        def spatial(values: Sequence) -> tuple:
+            return tuple(values[i] for i in order)
+
+        def shape(values: Sequence) -> tuple:
+            return (*values[:2], *spatial(values[2:]))
+
+        return dataclasses.replace(
+            self,
+            grad_output_shape=shape(self.grad_output_shape),
+            input_shape=shape(self.input_shape),
+            weight_shape=shape(self.weight_shape),
+            stride=spatial(self.stride),
+            padding=spatial(self.padding),
+            dilation=spatial(self.dilation),
+            output_padding_arg=spatial(self.output_padding_arg),
         )
 
     def describe(self) -> dict:
@@ -248,6 +269,36 @@ def _op_groups(conv: ConvBackward) -> dict[str, int]:
 #   "crop"      neither pad_amount nor output_padding: the op yields its full
 #               extent and a StridedSlice cuts grad_input out of it.
 OUTPUT_PADDING_MODES = ("auto", "parameter", "fold", "crop")
+
+
+def transpose_conv_takes_strides(spatial_dims: int, stride: Sequence[int]) -> bool:
+    """Whether the HTP's TransposeConv op computes right with these strides.
+
+    Measured on the QAIRT 2.51 x86-64 simulator (V69 to V81): TransposeConv3d
+    (NDHWC) is wrong when its H and W strides differ ((1, 2, 1), (2, 2, 1):
+    errors as large as the outputs; delta kernels show the W dim stepped by the
+    H stride) or fails to compile ((1, 1, 2), (2, 1, 2)); the D stride is free.
+    TransposeConv2d takes any strides.
+    """
+    return spatial_dims != 3 or stride[-2] == stride[-1]
+
+
+def transpose_conv_spatial_order(conv: ConvBackward) -> tuple[int, ...] | None:
+    """The order of the spatial dims in which grad_input's TransposeConv runs.
+
+    The identity where the op takes the strides as they are; otherwise the first
+    reordering it takes (for 3-D: the dims with equal strides moved to H and W,
+    grad_output and grad_input transposed around the op). None: no order works
+    (three different strides in 3-D).
+    """
+    for order in itertools.permutations(range(conv.spatial_dims)):  # the identity first
+        if transpose_conv_takes_strides(conv.spatial_dims, [conv.stride[i] for i in order]):
+            return order
+    return None
+
+
+def inverse_order(order: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(order)), key=lambda i: order[i]))
 
 
 def transpose_conv_applies_padding(spatial_dims: int) -> bool:

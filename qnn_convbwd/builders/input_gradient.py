@@ -35,46 +35,74 @@ class GradInputRequest:
 _TRANSPOSE_CONV_OPS = {2: "OpTransposeConv2d", 3: "OpTransposeConv3d"}
 
 
+def _activation_perm(order: tuple[int, ...]) -> tuple[int, ...]:
+    """Permutation of an NHWC tensor taking its spatial dims in ``order``."""
+    return (0, *(1 + o for o in order), len(order) + 1)
+
+
 def transpose_conv(req: GradInputRequest) -> list:
     """Transpose(static HWIO weight) -> HWOI; [zero Pad of grad_output ->] TransposeConv
-    [-> StridedSlice of its full extent, the "crop" plan]."""
-    visitor, node = req.visitor, req.node
-    plan = geo.plan_input_gradient(req.conv, req.output_padding)
+    [-> StridedSlice of its full extent, the "crop" plan].
+
+    Where the op does not take the strides in their order (3-D, H != W), the
+    spatial dims are reordered (``geo.transpose_conv_spatial_order``): a Transpose
+    before and after the op, and the filter's kernel dims in the same order.
+    """
+    visitor, node, n2w = req.visitor, req.node, req.nodes_to_wrappers
+    dtype = req.grad_input_value.dtype
+    order = geo.transpose_conv_spatial_order(req.conv)
+    if order is None:  # partition.support keeps such nodes from the visitor
+        raise geo.ConvArgumentError(
+            f"{node.name}: TransposeConv takes no order of {req.conv.stride}"
+        )
+    reordered = order != tuple(sorted(order))
+    conv = req.conv.with_spatial_order(order)
+    plan = geo.plan_input_gradient(conv, req.output_padding)
     weight = weights.weight_for_input_gradient(
-        visitor, visitor.get_node(node.args[geo.WEIGHT]), node, plan, req.nodes_to_wrappers
+        visitor, visitor.get_node(node.args[geo.WEIGHT]), node, plan, order, n2w
     )
     ops = [] if weight.transpose is None else [weight.transpose]
+
+    def permuted(shape) -> list[int]:
+        return [int(shape[i]) for i in _activation_perm(order)]
+
+    grad_output_shape = permuted(
+        visitor.get_tensor(visitor.get_node(node.args[geo.GRAD_OUTPUT]), node).shape
+    )
+    grad_input_shape = permuted(req.grad_input_value.shape)
     source = req.grad_output
-    if any(plan.grad_output_pad_end):
-        shape = list(
-            req.visitor.get_tensor(visitor.get_node(node.args[geo.GRAD_OUTPUT]), node).shape
-        )
-        for dim, extra in enumerate(plan.grad_output_pad_end):
-            shape[1 + dim] += extra  # NHWC: spatial dims start at 1
+    if reordered:
         source = qnn_ops.native_tensor(
-            visitor,
-            f"{node.name}_grad_output_padded",
-            shape,
-            req.grad_input_value.dtype,
-            req.nodes_to_wrappers,
+            visitor, f"{node.name}_grad_output_reordered", grad_output_shape, dtype, n2w
         )
         ops.append(
-            qnn_ops.zero_pad_end(
-                f"{node.name}_pad", req.grad_output, source, plan.grad_output_pad_end
+            qnn_ops.transpose(
+                f"{node.name}_reorder", req.grad_output, source, _activation_perm(order)
             )
         )
-
-    result = req.grad_input
-    if plan.result_slice:
-        n, *_, channels = req.grad_input_value.shape  # NHWC
-        result = qnn_ops.native_tensor(
-            visitor,
-            f"{node.name}_full",
-            [n, *plan.full_size, channels],
-            req.grad_input_value.dtype,
-            req.nodes_to_wrappers,
+    if any(plan.grad_output_pad_end):
+        shape = list(grad_output_shape)
+        for dim, extra in enumerate(plan.grad_output_pad_end):
+            shape[1 + dim] += extra  # NHWC: spatial dims start at 1
+        padded = qnn_ops.native_tensor(
+            visitor, f"{node.name}_grad_output_padded", shape, dtype, n2w
         )
-    names = integration.get(_TRANSPOSE_CONV_OPS[req.conv.spatial_dims])
+        ops.append(
+            qnn_ops.zero_pad_end(f"{node.name}_pad", source, padded, plan.grad_output_pad_end)
+        )
+        source = padded
+
+    # The op's result, then (crop plan) the slice of it, then (reordered) grad_input.
+    n, *_, channels = grad_input_shape
+    stages = [("full", [n, *plan.full_size, channels])] if plan.result_slice else []
+    stages += [("reordered", grad_input_shape)] if reordered else []
+    tensors = [
+        qnn_ops.native_tensor(visitor, f"{node.name}_{s}", shape, dtype, n2w) for s, shape in stages
+    ]
+    tensors.append(req.grad_input)
+    result = tensors.pop(0)
+
+    names = integration.get(_TRANSPOSE_CONV_OPS[conv.spatial_dims])
     tconv = qnn_ops.new_op(node.name, names.op_name, [source, weight.hwoi], [result])
     qnn_ops.uint32_param(tconv, names.param_stride, plan.stride)
     qnn_ops.uint32_param(tconv, names.param_pad_amount, plan.pad_amount)
@@ -82,9 +110,13 @@ def transpose_conv(req: GradInputRequest) -> list:
     qnn_ops.uint32_scalar(tconv, names.param_group, plan.groups)
     ops.append(tconv)
     if plan.result_slice:
-        n, *_, channels = req.grad_input_value.shape
         ranges = [[0, n, 1], *([b, e, 1] for b, e in plan.result_slice), [0, channels, 1]]
-        ops.append(qnn_ops.strided_slice(f"{node.name}_crop", result, req.grad_input, ranges))
+        sliced = tensors.pop(0)
+        ops.append(qnn_ops.strided_slice(f"{node.name}_crop", result, sliced, ranges))
+        result = sliced
+    if reordered:
+        back = _activation_perm(geo.inverse_order(order))
+        ops.append(qnn_ops.transpose(f"{node.name}_restore", result, tensors.pop(0), back))
     return ops
 
 

@@ -80,6 +80,14 @@ def zero_pad_end(name: str, source, result, trailing: Sequence[int]):
     return pad
 
 
+def transpose(name: str, source, result, perm: Sequence[int]):
+    """Transpose op: ``result`` dim i is ``source`` dim ``perm[i]``."""
+    names = integration.get("OpTranspose")
+    op = new_op(name, names.op_name, [source], [result])
+    uint32_param(op, names.param_perm, perm)
+    return op
+
+
 def bool_scalar(op, name: str, value: bool) -> None:
     op.AddScalarParam(
         name,

@@ -12,6 +12,7 @@ Layout names: ``conv_geometry`` (they cover 2-D and 3-D kernels).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -41,8 +42,18 @@ def static_weight_hwio(visitor, weight_node: torch.fx.Node, build_node, nodes_to
     )
 
 
-def hwoi_name(weight_node: torch.fx.Node) -> str:
-    return f"{weight_node.name}_convbwd_hwoi"
+def hwoi_name(weight_node: torch.fx.Node, order: Sequence[int] = ()) -> str:
+    """Name of the HWOI filter; ``order`` (spatial dims reordered) other than the identity
+    is part of it."""
+    name = f"{weight_node.name}_convbwd_hwoi"
+    if list(order) != sorted(order):
+        name += "_order" + "".join(map(str, order))
+    return name
+
+
+def _order_kernel(order: Sequence[int], spatial: int) -> tuple[int, ...]:
+    """Permutation of an HWOI filter taking its kernel dims in ``order``."""
+    return (*(order or range(spatial)), spatial, spatial + 1)
 
 
 def expanded_hwoi(
@@ -51,6 +62,7 @@ def expanded_hwoi(
     build_node,
     dilation,
     dense_groups: int,
+    order: Sequence[int],
     nodes_to_wrappers,
 ) -> WeightTensors:
     """A static HWOI filter with the kernel dilated and/or the groups made dense.
@@ -60,17 +72,20 @@ def expanded_hwoi(
     ignores its group parameter (``geo.transpose_conv_applies_groups``), the
     grouped weight ``[C_out, C_in/g, *k]`` becomes the dense ``[C_out, C_in, *k]``
     that is zero outside each output channel's group. Either way this is a second
-    static tensor: the weight is stored twice, and larger.
+    static tensor: the weight is stored twice, and larger. Its kernel dims are
+    taken in ``order`` (see ``geo.transpose_conv_spatial_order``).
     """
     suffix = [f"dilated_{'x'.join(map(str, dilation))}"] if any(d != 1 for d in dilation) else []
     suffix += [f"dense_{dense_groups}"] if dense_groups > 1 else []
-    name = "_".join([hwoi_name(weight_node), *suffix])
+    name = "_".join([hwoi_name(weight_node, order), *suffix])
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
     out_c, in_g, *kernel = weight.shape
     spatial = len(kernel)
     size = [d * (k - 1) + 1 for d, k in zip(dilation, kernel, strict=True)]
     oihw = [out_c, in_g * dense_groups, *size]
+    reorder = _order_kernel(order, spatial)
     hwoi_dims = [[oihw[i] for i in geo.oihw_to_hwio(spatial)][j] for j in geo.hwio_to_hwoi(spatial)]
+    hwoi_dims = [hwoi_dims[i] for i in reorder]
     hwoi = None
     if not isinstance(weight, FakeTensor):  # real data outside op validation
         expanded = np.zeros(oihw, dtype=weight.detach().numpy().dtype)
@@ -80,7 +95,11 @@ def expanded_hwoi(
             rows = slice(g * per_group, (g + 1) * per_group)
             cols = slice(g * in_g, (g + 1) * in_g)
             expanded[(rows, cols, *taps)] = weight.detach().numpy()[rows]
-        hwoi = expanded.transpose(geo.oihw_to_hwio(spatial)).transpose(geo.hwio_to_hwoi(spatial))
+        hwoi = (
+            expanded.transpose(geo.oihw_to_hwio(spatial))
+            .transpose(geo.hwio_to_hwoi(spatial))
+            .transpose(reorder)
+        )
     tensor = qnn_ops.static_tensor(name, hwoi, hwoi_dims, weight.dtype, nodes_to_wrappers)
     return WeightTensors(None, tensor, None)
 
@@ -90,25 +109,35 @@ def weight_for_input_gradient(
     weight_node: torch.fx.Node,
     build_node: torch.fx.Node,
     plan: geo.TransposedConvPlan,
+    order: Sequence[int],
     nodes_to_wrappers,
 ) -> WeightTensors:
-    """The HWOI filter of grad_input's TransposeConv, following ``plan``."""
+    """The HWOI filter of grad_input's TransposeConv, following ``plan``, with its
+    kernel dims in ``order``."""
     conv = geo.parse(build_node)
     if geo.own_filter_reason(conv) is not None:
         return expanded_hwoi(
-            visitor, weight_node, build_node, conv.dilation, plan.dense_groups, nodes_to_wrappers
+            visitor,
+            weight_node,
+            build_node,
+            conv.dilation,
+            plan.dense_groups,
+            order,
+            nodes_to_wrappers,
         )
     hwio = static_weight_hwio(visitor, weight_node, build_node, nodes_to_wrappers)
-    name = hwoi_name(weight_node)
+    name = hwoi_name(weight_node, order)
     cached = nodes_to_wrappers.get(name, {}).get(0)
     if cached is not None:
         return WeightTensors(hwio, cached, None)
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
     spatial = weight.dim() - 2
     hwio_shape = [weight.shape[i] for i in geo.oihw_to_hwio(spatial)]
-    hwoi_shape = [hwio_shape[i] for i in geo.hwio_to_hwoi(spatial)]
+    # HWIO -> HWOI, kernel dims in ``order``: one Transpose.
+    perm = [geo.hwio_to_hwoi(spatial)[i] for i in _order_kernel(order, spatial)]
+    hwoi_shape = [hwio_shape[i] for i in perm]
     hwoi = qnn_ops.native_tensor(visitor, name, hwoi_shape, weight.dtype, nodes_to_wrappers)
     op_names = integration.get("OpTranspose")
     transpose = qnn_ops.new_op(f"{name}_transpose", op_names.op_name, [hwio], [hwoi])
-    qnn_ops.uint32_param(transpose, op_names.param_perm, geo.hwio_to_hwoi(spatial))
+    qnn_ops.uint32_param(transpose, op_names.param_perm, perm)
     return WeightTensors(hwio, hwoi, transpose)

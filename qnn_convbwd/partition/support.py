@@ -258,21 +258,17 @@ def expressible_output_padding(node, conv, target):
 
 @rule
 def transpose_conv3d_strides(node, conv, target):
-    # Measured with QAIRT 2.51 on the x86-64 simulator (V69 to V81): TransposeConv3d
-    # (NDHWC) computes wrong values when its H and W strides differ (strides
-    # (1, 2, 1), (2, 2, 1): errors as large as the outputs) or fails to compile
-    # ((1, 1, 2), (2, 1, 2): "graph prepare failed"). Equal H and W strides with
-    # any D stride ((2, 1, 1), (1, 2, 2), (3, 2, 2), (2, 2, 2)) are right.
-    if not conv.output_mask[0] or conv.spatial_dims != 3:
+    # The HTP's TransposeConv3d is wrong or fails to compile when its H and W
+    # strides differ (measured, see geo.transpose_conv_takes_strides). grad_input
+    # then runs with the spatial dims reordered so that two equal strides land on
+    # H and W; with three different strides no order does.
+    if not conv.output_mask[0] or geo.transpose_conv_spatial_order(conv) is not None:
         return None
-    _, h, w = conv.stride
-    if h != w:
-        return _reject(
-            "the HTP's TransposeConv3d (grad_input) is wrong or fails to compile "
-            "when its H and W strides differ",
-            f"stride={list(conv.stride)}",
-        )
-    return None
+    return _reject(
+        "the HTP's TransposeConv3d (grad_input) is wrong or fails to compile when its "
+        "H and W strides differ, and no order of the spatial dims makes them equal",
+        f"stride={list(conv.stride)}",
+    )
 
 
 @rule

@@ -337,12 +337,29 @@ CASES: tuple[Case, ...] = (
             _BASE,
             kernel=(3, 3, 3),
             input_size=(5, 6, 5),
-            stride=(1, 2, 1),
+            stride=(1, 2, 2),
             padding=(1, 1, 1),
             dilation=(1, 1, 1),
         ),
         "spatial_dims",
         frozenset({"grad_input", "conv3d"}),
+        cpu_kernel_refuses=_ONLY_2D,
+    ),
+    # A TransposeConv3d defect (see the rule): H != W strides are lowered with the
+    # spatial dims reordered, three different strides cannot be. No capability
+    # lifts it, and the CPU kernel cannot run a 3-D node: the program fails loudly.
+    Case(
+        "conv3d_three_strides",
+        dataclasses.replace(
+            _BASE,
+            kernel=(3, 3, 3),
+            input_size=(5, 7, 7),
+            stride=(1, 2, 3),
+            padding=(1, 1, 1),
+            dilation=(1, 1, 1),
+        ),
+        "transpose_conv3d_strides",
+        None,
         cpu_kernel_refuses=_ONLY_2D,
     ),
     # Operands.

@@ -8,6 +8,7 @@ compile into one QNN program (one compile per SoC instead of one per config).
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 
 import torch
@@ -16,16 +17,22 @@ from torch import nn
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    """One convolution_backward call; per-dim tuples have one entry per spatial dim."""
+
     batch: int
     cin: int
     cout: int
-    kernel: tuple[int, int]
-    stride: tuple[int, int]
-    padding: tuple[int, int]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
     groups: int
-    size: tuple[int, int]  # spatial size of the forward input
-    dilation: tuple[int, int] = (1, 1)
+    size: tuple[int, ...]  # spatial size of the forward input
+    dilation: tuple[int, ...] | None = None  # None: 1 in every dim
     mask: tuple[bool, bool, bool] = (True, False, False)
+
+    def __post_init__(self) -> None:
+        if self.dilation is None:
+            object.__setattr__(self, "dilation", (1,) * len(self.kernel))
 
     @property
     def output_size(self) -> tuple[int, ...]:
@@ -44,13 +51,16 @@ class Config:
         )
 
     def __str__(self) -> str:
+        def dims(values) -> str:
+            return "x".join(map(str, values))
+
         text = (
-            f"n{self.batch}_c{self.cin}x{self.cout}_k{self.kernel[0]}x{self.kernel[1]}"
-            f"_s{self.stride[0]}x{self.stride[1]}_p{self.padding[0]}x{self.padding[1]}"
-            f"_g{self.groups}_{self.size[0]}x{self.size[1]}"
+            f"n{self.batch}_c{self.cin}x{self.cout}_k{dims(self.kernel)}"
+            f"_s{dims(self.stride)}_p{dims(self.padding)}"
+            f"_g{self.groups}_{dims(self.size)}"
         )
-        if self.dilation != (1, 1):
-            text += f"_d{self.dilation[0]}x{self.dilation[1]}"
+        if any(d != 1 for d in self.dilation):
+            text += f"_d{dims(self.dilation)}"
         if self.mask != (True, False, False):
             text += "_m" + "".join("1" if m else "0" for m in self.mask)
         return text
@@ -81,6 +91,43 @@ def generate_configs(count: int, seed: int = 0) -> list[Config]:
     return configs
 
 
+# Every output_mask that asks for something.
+ALL_MASKS = tuple(
+    m
+    for m in ((a, b, c) for a in (True, False) for b in (True, False) for c in (True, False))
+    if any(m)
+)
+
+
+def generate_3d_configs(count: int, seed: int = 0) -> list[Config]:
+    """Deterministic 3-D spread: strides 1-2 per dim (H != W ones make grad_input
+    reorder its spatial dims), padding 0-1, kernels 1-3 incl. 3x1x1 and 2x3x3,
+    groups 1 / 2 / depthwise, every output_mask, odd and even sizes, batch 1 and 2."""
+    rng = random.Random(seed)
+    kernels = [(3, 3, 3), (1, 1, 1), (3, 1, 1), (2, 3, 3), (1, 3, 3), (3, 2, 2)]
+    configs: list[Config] = []
+    while len(configs) < count:
+        kind = len(configs) % 3  # rotate groups: 1, 2, depthwise
+        cin = rng.choice([2, 4, 6])
+        if kind == 0:
+            groups, cout = 1, rng.choice([2, 4, 6])
+        elif kind == 1:
+            groups, cout = 2, rng.choice([2, 4, 6])
+        else:
+            groups, cout = cin, cin * rng.choice([1, 2])
+        kernel = kernels[len(configs) % len(kernels)]
+        stride = tuple(rng.randint(1, 2) for _ in kernel)
+        padding = tuple(rng.randint(0, min(1, k - 1)) for k in kernel)
+        size = tuple(rng.randint(3, 7) for _ in kernel)
+        mask = ALL_MASKS[len(configs) % len(ALL_MASKS)]
+        config = Config(
+            rng.choice([1, 2]), cin, cout, kernel, stride, padding, groups, size, mask=mask
+        )
+        if config.valid():
+            configs.append(config)
+    return configs
+
+
 class ConvBackwardBank(nn.Module):
     """forward(*grad_outputs) -> every config's grad_input (output_mask [T, F, F])."""
 
@@ -91,7 +138,7 @@ class ConvBackwardBank(nn.Module):
         self.weights = nn.ParameterList(
             nn.Parameter(
                 torch.randn(c.cout, c.cin // c.groups, *c.kernel, generator=gen)
-                / (c.kernel[0] * c.kernel[1] * c.cin // c.groups) ** 0.5,
+                / (math.prod(c.kernel) * c.cin // c.groups) ** 0.5,
                 requires_grad=False,
             )
             for c in configs
@@ -112,7 +159,7 @@ class ConvBackwardBank(nn.Module):
                 list(c.padding),
                 list(c.dilation),
                 False,
-                [0, 0],
+                [0] * len(c.stride),
                 c.groups,
                 list(c.mask),
             )
@@ -127,6 +174,26 @@ class ConvBackwardBank(nn.Module):
 
     def export(self) -> torch.export.ExportedProgram:
         return torch.export.export(self, self.example_inputs(), strict=True)
+
+
+U_FP16 = 2.0**-11
+
+
+def assert_bank_matches(compiled, bank: ConvBackwardBank, factor: float = 4.0) -> float:
+    """Every output of a compiled bank within ``factor`` u of its fp16 error scale;
+    returns the worst ratio (in u)."""
+    grad_outputs = bank.example_inputs()
+    got = iter(compiled.run(grad_outputs))
+    expected = iter(bank(*grad_outputs))
+    worst = 0.0
+    for i, (config, g) in enumerate(zip(bank.configs, grad_outputs, strict=True)):
+        bounds = fp16_error_bounds(config, bank.weights[i], getattr(bank, f"input_{i}"), g)
+        for bound in bounds:
+            a, b = next(got), next(expected)
+            ratio = ((a - b).abs() / (U_FP16 * bound + 1e-6)).max().item()
+            assert ratio <= factor, f"{config}: error {ratio:.2f} u-bounds"
+            worst = max(worst, ratio)
+    return worst
 
 
 def fp16_error_bounds(
@@ -144,7 +211,7 @@ def fp16_error_bounds(
         list(config.padding),
         list(config.dilation),
         False,
-        [0, 0],
+        [0] * len(config.stride),
         config.groups,
         [True, True, True],
     )
@@ -175,7 +242,7 @@ def conv_backward_of(config: Config):
         padding=config.padding,
         dilation=config.dilation,
         transposed=False,
-        output_padding_arg=(0, 0),
+        output_padding_arg=(0,) * len(config.stride),
         groups=config.groups,
         output_mask=config.mask,
         dtype=torch.float32,

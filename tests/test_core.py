@@ -104,7 +104,8 @@ def test_options_name_their_choices():
 
 
 def _qnn_transpose_conv_reference(g, w, plan: geo.TransposedConvPlan) -> torch.Tensor:
-    """QNN TransposeConv2d semantics in torch: [upsampled,] full extent, + output_padding, crop."""
+    """QNN TransposeConv2d semantics in torch: [upsampled,] full extent, + output_padding,
+    crop [, upsampled and cropped (kernel-1 upsampling) or sliced ("crop" plan)]."""
 
     def upsampled(t):
         up = t.new_zeros(*t.shape[:2], *(n * f for n, f in zip(t.shape[2:], plan.zero_insert)))
@@ -124,8 +125,11 @@ def _qnn_transpose_conv_reference(g, w, plan: geo.TransposedConvPlan) -> torch.T
     )
     full = nn.functional.conv_transpose2d(g, w, stride=plan.stride, groups=plan.groups)
     full = nn.functional.pad(full, [x for o in reversed(plan.output_padding) for x in (0, o)])
-    out = cropped(full, plan.pad_amount)
-    return cropped(upsampled(out), plan.output_crop) if plan.upsample_output else out
+    result = cropped(full, plan.pad_amount)
+    if plan.result_slice:
+        assert tuple(result.shape[2:]) == plan.full_size
+        result = result[(slice(None), slice(None), *(slice(b, e) for b, e in plan.result_slice))]
+    return cropped(upsampled(result), plan.output_crop) if plan.upsample_output else result
 
 
 @pytest.mark.parametrize(
@@ -142,8 +146,10 @@ def test_every_plan_computes_aten_grad_input(mode, stride):
         plan = geo.plan_input_gradient(conv, mode, stride)
         got = _qnn_transpose_conv_reference(g, bank.weights[0], plan)
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=str(config))
-        if mode == "fold" or plan.upsamples:
+        if mode in ("fold", "crop") or plan.upsamples:
             assert not plan.uses_output_padding
+        if mode == "crop" and not plan.upsamples:
+            assert not any(p for pads in plan.pad_amount for p in pads)
         upsampled += plan.upsamples
     # generate_configs draws strides 1-3: most configs have one > 1.
     assert upsampled > 30 if stride == "zero_insert" else upsampled == 0

@@ -16,12 +16,11 @@ import copy
 
 import pytest
 import torch
-from programs import Config, ConvBackwardBank, fp16_error_bounds
+from programs import Config, ConvBackwardBank, assert_bank_matches
 
 import qnn_convbwd
 from qnn_convbwd import models
 
-U_FP16 = 2.0**-11
 BOUND_FACTOR = 4.0
 
 MASKS = [(True, True, True), (False, True, True), (False, True, False), (False, False, True)]
@@ -39,18 +38,7 @@ CONFIGS = [
 
 
 def _check(compiled, bank: ConvBackwardBank) -> float:
-    grad_outputs = bank.example_inputs()
-    got = iter(compiled.run(grad_outputs))
-    expected = iter(bank(*grad_outputs))
-    worst = 0.0
-    for i, (config, g) in enumerate(zip(bank.configs, grad_outputs, strict=True)):
-        bounds = fp16_error_bounds(config, bank.weights[i], getattr(bank, f"input_{i}"), g)
-        for bound in bounds:
-            a, b = next(got), next(expected)
-            ratio = ((a - b).abs() / (U_FP16 * bound + 1e-6)).max().item()
-            assert ratio <= BOUND_FACTOR, f"{config}: error {ratio:.2f} u-bounds"
-            worst = max(worst, ratio)
-    return worst
+    return assert_bank_matches(compiled, bank, BOUND_FACTOR)
 
 
 @pytest.mark.parametrize("soc", ["SM8550", "SM8850"])  # V73 and V81

@@ -133,6 +133,8 @@ def expected_rule(config: cases.ConvConfig, soc: str) -> str | None:
         return "spatial_dims"
     if any(d > 1 for d in config.dilation) and "dilation" not in support.CAPABILITIES:
         return "dilation"
+    if config.output_mask[0] and config.spatial_dims == 3 and len(set(config.stride)) == 3:
+        return "transpose_conv3d_strides"  # TransposeConv3d defect (see the rule)
     return None
 
 
@@ -204,6 +206,27 @@ def dilated(weight: torch.Tensor, dilation) -> torch.Tensor:
     return out
 
 
+def dense(weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """A grouped ``[C_out, C_in/g, *k]`` weight as the block-diagonal ``[C_out, C_in, *k]``
+    an ungrouped op computes the same with (TransposeConv3d ignores groups)."""
+    if groups == 1:
+        return weight
+    out_c, in_g = weight.shape[:2]
+    per = out_c // groups
+    result = weight.new_zeros(out_c, in_g * groups, *weight.shape[2:])
+    for g in range(groups):
+        result[g * per : (g + 1) * per, g * in_g : (g + 1) * in_g] = weight[g * per : (g + 1) * per]
+    return result
+
+
+def _slice_result(x: torch.Tensor, plan: geo.TransposedConvPlan) -> torch.Tensor:
+    """The "crop" plan's StridedSlice of the op's full extent."""
+    if not plan.result_slice:
+        return x
+    assert tuple(x.shape[2:]) == plan.full_size
+    return x[(slice(None), slice(None), *(slice(b, e) for b, e in plan.result_slice))]
+
+
 def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
     """Every stride and output_padding mode's plan gives aten's grad_input (in the model)."""
     grad_output = built.inputs[0].double()
@@ -213,17 +236,21 @@ def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
     modes = [(m, "parameter") for m in geo.OUTPUT_PADDING_MODES] + [("auto", "zero_insert")]
     for mode, stride in modes:
         plan = geo.plan_input_gradient(conv, mode, stride)
-        assert plan.upsamples == (stride == "zero_insert" and max(conv.stride) > 1)
+        assert plan.groups * plan.dense_groups == conv.groups
+        upsampling = stride == "zero_insert" and conv.spatial_dims < 3 and max(conv.stride) > 1
+        assert plan.upsamples == upsampling
         before = plan.upsamples and not plan.upsample_output
         source = _zero_insert(grad_output, plan.zero_insert) if before else grad_output
+        op_weight = dense(weight, plan.dense_groups)
         got = qnn_transpose_conv(
             _pad_end(source, plan.grad_output_pad_end),
-            weight,
+            op_weight,
             plan.stride,
             plan.pad_amount,
             plan.output_padding,
             plan.groups,
         )
+        got = _slice_result(got, plan)
         if plan.upsample_output:
             got = _zero_insert(got, plan.zero_insert)
             got = got[
@@ -243,7 +270,7 @@ def check_plans(conv: geo.ConvBackward, built: cases.Built) -> None:
             transpose = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)
             torch_got = transpose[conv.spatial_dims - 1](
                 grad_output,
-                weight,
+                op_weight,
                 stride=plan.stride,
                 padding=tuple(b for b, _ in plan.pad_amount),
                 output_padding=plan.output_padding,
@@ -318,6 +345,19 @@ def recording_qnn_ops(monkeypatch_context):
 
     monkeypatch_context.setattr(adaptor, "PyQnnOpWrapper", Recording)
     monkeypatch_context.setattr(qnn_ops, "native_tensor", recording_native_tensor)
+
+    # Tensors of graph values (e.g. grad_input, which an op may write directly).
+    from executorch.backends.qualcomm.builders.node_visitor import NodeVisitor
+
+    define_tensor = NodeVisitor.define_tensor
+
+    def recording_define_tensor(self, source_node, build_node, tensor, *args, **kwargs):
+        wrapper = define_tensor(self, source_node, build_node, tensor, *args, **kwargs)
+        seen.append(wrapper)
+        dims.setdefault(_tensor_name(wrapper), [int(v) for v in tensor.shape])
+        return wrapper
+
+    monkeypatch_context.setattr(NodeVisitor, "define_tensor", recording_define_tensor)
     yield emitted
 
 
@@ -326,12 +366,30 @@ def _nchw_dim(nhwc_dim: int, rank: int) -> int:
     return {0: 0, rank - 1: 1}.get(nhwc_dim, nhwc_dim + 1)
 
 
-def _model_op(op: EmittedOp, x: torch.Tensor, weight_iohw: torch.Tensor) -> torch.Tensor | None:
+TRANSPOSE_CONVS = ("TransposeConv2d", "TransposeConv3d")
+
+
+def _model_op(
+    op: EmittedOp,
+    x: torch.Tensor,
+    order: tuple[int, ...],
+    weight_iohw: torch.Tensor,
+    groups: int,
+) -> tuple[torch.Tensor, tuple[int, ...]] | None:
     """What ``op`` computes from ``x`` (its first input), for the ops on the
-    grad_output -> grad_input path; None for ops this model does not cover."""
+    grad_output -> grad_input path; None for ops this model does not cover.
+    ``order``: which of the convolution's spatial dims each spatial dim of ``x``
+    is (a Transpose may reorder them); returned with the result.
+    ``weight_iohw`` is grouped by the convolution's ``groups``. The HTP's
+    TransposeConv3d ignores its group parameter: the plugin must run it
+    ungrouped, with the filter block-diagonal (``geo.transpose_conv_applies_groups``)."""
     rank = x.dim()
-    if op.type == "TransposeConv2d":
-        return qnn_transpose_conv(
+    if op.type in TRANSPOSE_CONVS:
+        if op.type == "TransposeConv3d":
+            assert op.params["group"] == 1, f"{op.name}: group {op.params['group']} is ignored"
+            weight_iohw = dense(weight_iohw, groups)
+        weight_iohw = weight_iohw.permute(0, 1, *(2 + o for o in order))
+        result = qnn_transpose_conv(
             x,
             weight_iohw,
             op.params["stride"],
@@ -339,6 +397,7 @@ def _model_op(op: EmittedOp, x: torch.Tensor, weight_iohw: torch.Tensor) -> torc
             op.params["output_padding"],
             op.params["group"],
         )
+        return result, order
     if op.type == "Pad":
         amounts = op.params["pad_amount"]
         assert op.params.get("scheme", 0) == 0 and op.params.get("pad_constant_value", 0) == 0
@@ -346,30 +405,45 @@ def _model_op(op: EmittedOp, x: torch.Tensor, weight_iohw: torch.Tensor) -> torc
         for d, (begin, end) in enumerate(amounts):
             i = _nchw_dim(d, rank)
             pads[2 * (rank - 1 - i)], pads[2 * (rank - 1 - i) + 1] = begin, end
-        return F.pad(x, pads)
+        return F.pad(x, pads), order
     if op.type == "Reshape":
         (shape,) = op.output_dims
         assert shape is not None, f"{op.name}: output dims not recorded"
-        return x.movedim(1, -1).reshape(shape).movedim(-1, 1)
+        return x.movedim(1, -1).reshape(shape).movedim(-1, 1), order
     if op.type == "StridedSlice":
         index = [slice(None)] * rank
         for d, (begin, end, step) in enumerate(op.params["ranges"]):
             index[_nchw_dim(d, rank)] = slice(begin, end, step)
-        return x[tuple(index)]
+        return x[tuple(index)], order
+    if op.type == "Transpose":
+        perm = list(op.params["perm"])  # NHWC: result dim i is source dim perm[i]
+        assert perm[0] == 0 and perm[-1] == rank - 1, f"{op.name} moves N or C: {perm}"
+        spatial = [p - 1 for p in perm[1:-1]]
+        return x.permute(0, 1, *(2 + p for p in spatial)), tuple(order[p] for p in spatial)
     return None
 
 
 def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Tensor:
-    """Follow grad_output through the emitted Pad / TransposeConv2d / StridedSlice ops.
+    """Follow grad_output through the emitted Transpose / Pad / TransposeConv /
+    StridedSlice / Transpose ops of the node.
 
     The parameters are the ones handed to QNN; the filter is taken as torch's
-    weight (the weight's own path is checked by the simulator runs).
+    weight, its kernel dims in the order the activations' Transposes give (the
+    weight's own path is checked by the simulator runs).
     """
-    tconvs = [op for op in emitted if op.type == "TransposeConv2d"]
-    assert tconvs, f"no TransposeConv2d among {[op.type for op in emitted]}"
+    tconvs = [op for op in emitted if op.type in TRANSPOSE_CONVS]
+    assert tconvs, f"no TransposeConv among {[op.type for op in emitted]}"
+    tconv = tconvs[-1]
+
+    # The node's own ops around its TransposeConv (builders/input_gradient.py names them).
+    around = {f"{tconv.name}_{step}" for step in ("reorder", "pad", "crop", "restore")}
+
+    def on_path(op: EmittedOp) -> bool:
+        return op.name in around or op.name.startswith(f"{tconv.name}_upsampled")
+
     producer = {out: op for op in emitted for out in op.outputs}
-    root = tconvs[-1].inputs[0]
-    while root in producer and producer[root].type in ("Pad", "Reshape", "StridedSlice"):
+    root = tconv.inputs[0]
+    while root in producer and on_path(producer[root]):
         root = producer[root].inputs[0]
     # conv weight OIHW = [C_in_t, C_out_t/g, k]
     weight_iohw = dilated(built.module.weight.double(), built.config.dilation)
@@ -377,17 +451,19 @@ def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Te
     one_d = built.config.spatial_dims == 1
     if one_d:  # lowered as 2-D with a unit height (passes/conv1d.py)
         weight_iohw, grad_output = weight_iohw.unsqueeze(2), grad_output.unsqueeze(2)
-    values = {root: grad_output}
+    values = {root: (grad_output, tuple(range(grad_output.dim() - 2)))}
     for op in emitted:
-        if op.inputs and op.inputs[0] in values:
-            result = _model_op(op, values[op.inputs[0]], weight_iohw)
+        if op.inputs and op.inputs[0] in values and (op is tconv or on_path(op)):
+            result = _model_op(op, *values[op.inputs[0]], weight_iohw, built.config.groups)
             if result is not None:
                 values[op.outputs[0]] = result
-    end = tconvs[-1].outputs[0]
-    consumer = {op.inputs[0]: op for op in emitted if op.type in ("Pad", "Reshape", "StridedSlice")}
+    end = tconv.outputs[0]
+    consumer = {op.inputs[0]: op for op in emitted if on_path(op)}
     while end in consumer:
         end = consumer[end].outputs[0]
-    return values[end].squeeze(2) if one_d else values[end]
+    value, order = values[end]
+    assert order == tuple(sorted(order)), f"grad_input left with spatial dims in order {order}"
+    return value.squeeze(2) if one_d else value
 
 
 def check_emitted(emitted: list[EmittedOp], built: cases.Built, tier: str) -> None:
@@ -582,7 +658,7 @@ def test_compiled(request, qnn_sdk):
         expected = built.expected(built.inputs)
         magnitude = built.magnitude(built.inputs)
         if not row.delegated:
-            assert not [op for op in emitted if op.type == "TransposeConv2d"]
+            assert not [op for op in emitted if op.type in TRANSPOSE_CONVS]
         if row.delegated:
             assert harness.delegate_count(compiled.edge) == 1
             if config.output_mask[0]:
@@ -671,15 +747,16 @@ def test_model_notices_any_wrong_parameter():
                 continue
             amounts = [[0, 0] for _ in shape]
             amounts[dim + 2][1] = (factor - 1) * shape[dim + 2]
-            ops.append(
-                EmittedOp(f"pad{dim}", "Pad", {"pad_amount": amounts}, [tconv_in], [f"p{dim}"])
-            )
+            pad, reshape = f"tconv_upsampled{dim}_pad_op", f"tconv_upsampled{dim}_reshape"
+            ops.append(EmittedOp(pad, "Pad", {"pad_amount": amounts}, [tconv_in], [f"p{dim}"]))
             shape[dim + 1] *= factor
-            ops.append(EmittedOp(f"r{dim}", "Reshape", {}, [f"p{dim}"], [f"u{dim}"], [list(shape)]))
+            ops.append(EmittedOp(reshape, "Reshape", {}, [f"p{dim}"], [f"u{dim}"], [list(shape)]))
             tconv_in = f"u{dim}"
         if any(plan.grad_output_pad_end):
             amounts = [[0, 0], *([0, e] for e in plan.grad_output_pad_end), [0, 0]]
-            ops.append(EmittedOp("pad", "Pad", {"pad_amount": amounts}, [tconv_in], ["padded"]))
+            ops.append(
+                EmittedOp("tconv_pad", "Pad", {"pad_amount": amounts}, [tconv_in], ["padded"])
+            )
             tconv_in = "padded"
         params = {
             "stride": list(plan.stride),

@@ -5,20 +5,26 @@ Schema: https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/native
 (``convolution_backward``). Shapes are NC<spatial>: grad_output is
 ``[N, C_out, *out]``, input ``[N, C_in, *in]``, weight ``[C_out, C_in / groups, *k]``.
 
-Layout names used across the package (4-D case):
+Layout names used across the package, written for the 2-D case; with three
+spatial dims the kernel dims are ``kD, kH, kW`` (OIDHW, DHWIO, DHWOI) and the
+names below stand for those layouts too:
 
 * ``OIHW``: torch convolution weight ``[C_out, C_in/g, kH, kW]``.
-* ``HWIO``: QNN Conv2d filter ``[kH, kW, C_in/g, C_out]`` = OIHW permuted (2, 3, 1, 0).
-  executorch's forward Conv2d visitor stores the static weight in this layout.
-* ``HWOI``: QNN TransposeConv2d filter for the input gradient. TransposeConv2d
-  takes ``[kH, kW, C_in_t, C_out_t / g]``; the backward convolution reads
-  ``C_in_t = C_out`` channels and produces ``C_out_t = C_in`` channels, so its
-  filter is ``[kH, kW, C_out, C_in/g]`` = HWIO permuted (0, 1, 3, 2).
+* ``HWIO``: QNN Conv2d / Conv3d filter ``[kH, kW, C_in/g, C_out]`` = OIHW permuted
+  by ``oihw_to_hwio`` ((2, 3, 1, 0) in 2-D). executorch's forward convolution
+  visitor stores the static weight in this layout.
+* ``HWOI``: QNN TransposeConv2d / TransposeConv3d filter for the input gradient.
+  TransposeConv takes ``[kH, kW, C_in_t, C_out_t / g]``; the backward convolution
+  reads ``C_in_t = C_out`` channels and produces ``C_out_t = C_in`` channels, so
+  its filter is ``[kH, kW, C_out, C_in/g]`` = HWIO permuted by ``hwio_to_hwoi``
+  ((0, 1, 3, 2) in 2-D).
+* ``NHWC``: activations inside QNN (NDHWC with three spatial dims).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -29,8 +35,19 @@ from .. import options
 GRAD_OUTPUT, INPUT, WEIGHT, BIAS_SIZES, STRIDE, PADDING, DILATION = range(7)
 TRANSPOSED, OUTPUT_PADDING, GROUPS, OUTPUT_MASK = range(7, 11)
 
-OIHW_TO_HWIO = (2, 3, 1, 0)
-HWIO_TO_HWOI = (0, 1, 3, 2)
+
+def oihw_to_hwio(spatial: int) -> tuple[int, ...]:
+    """Permutation of a torch weight ``[O, I, *k]`` to the QNN filter ``[*k, I, O]``."""
+    return (*range(2, 2 + spatial), 1, 0)
+
+
+def hwio_to_hwoi(spatial: int) -> tuple[int, ...]:
+    """Permutation of ``[*k, I, O]`` to ``[*k, O, I]``: the last two dims exchanged."""
+    return (*range(spatial), spatial + 1, spatial)
+
+
+OIHW_TO_HWIO = oihw_to_hwio(2)
+HWIO_TO_HWOI = hwio_to_hwoi(2)
 
 
 class ConvArgumentError(ValueError):
@@ -120,6 +137,26 @@ class ConvBackward:
             )
         )
 
+    def with_spatial_order(self, order: Sequence[int]) -> ConvBackward:
+        """The same convolution with its spatial dims taken in ``order``."""
+
+        def spatial(values: Sequence) -> tuple:
+            return tuple(values[i] for i in order)
+
+        def shape(values: Sequence) -> tuple:
+            return (*values[:2], *spatial(values[2:]))
+
+        return dataclasses.replace(
+            self,
+            grad_output_shape=shape(self.grad_output_shape),
+            input_shape=shape(self.input_shape),
+            weight_shape=shape(self.weight_shape),
+            stride=spatial(self.stride),
+            padding=spatial(self.padding),
+            dilation=spatial(self.dilation),
+            output_padding_arg=spatial(self.output_padding_arg),
+        )
+
     def describe(self) -> dict:
         return {
             "grad_output": list(self.grad_output_shape),
@@ -171,15 +208,33 @@ def parse(node: torch.fx.Node) -> ConvBackward:
     )
 
 
+def transpose_conv_applies_groups(spatial_dims: int) -> bool:
+    """Whether the HTP's TransposeConv op for this many spatial dims honours ``group``.
+
+    Measured on the QAIRT 2.51 x86-64 simulator (V69 to V81): TransposeConv3d
+    ignores its group parameter. Given a filter ``[*k, C_in, C_out / g]`` and
+    ``group = g`` it computes an ungrouped transposed convolution into the first
+    ``C_out / g`` output channels and leaves the others zero (k=1, stride 1,
+    fitted by least squares). TransposeConv2d applies it.
+    """
+    return spatial_dims != 3
+
+
 @dataclasses.dataclass(frozen=True)
 class TransposedConvPlan:
-    """Parameters of the QNN TransposeConv2d, plus zeros appended to grad_output."""
+    """Parameters of the QNN TransposeConv, plus zeros appended to grad_output."""
 
     stride: tuple[int, ...]
     pad_amount: tuple[tuple[int, int], ...]  # per spatial dim: (begin, end) cropped
     output_padding: tuple[int, ...]
     grad_output_pad_end: tuple[int, ...]  # zero rows/cols appended to grad_output
-    groups: int
+    groups: int  # the op's group parameter
+    # Groups folded into a block-diagonal filter (the op then runs ungrouped); 1: none.
+    dense_groups: int = 1
+    # "crop": per spatial dim, the op's output size and the (begin, end) slice of it
+    # that is grad_input; empty when the op's parameters crop.
+    full_size: tuple[int, ...] = ()
+    result_slice: tuple[tuple[int, int], ...] = ()
     # Per spatial dim: grad_output is upsampled by this factor first, each element
     # followed by ``factor - 1`` zeros (1: not upsampled). See STRIDE_MODES.
     zero_insert: tuple[int, ...] = ()
@@ -197,9 +252,71 @@ class TransposedConvPlan:
         return any(self.output_padding)
 
 
+def own_filter_reason(conv: ConvBackward) -> str | None:
+    """Why grad_input cannot read the shared HWIO weight through a Transpose (None: it can).
+
+    A dilated kernel (TransposeConv has no dilation parameter) and groups the op
+    does not apply both need a filter with zeros inserted: a static tensor of its own.
+    """
+    if any(d != 1 for d in conv.dilation):
+        return "a dilated convolution_backward builds its own (dilated) filter"
+    if conv.groups > 1 and not transpose_conv_applies_groups(conv.spatial_dims):
+        return (
+            f"a grouped {conv.spatial_dims}-D convolution_backward builds its own "
+            "block-diagonal filter (the TransposeConv op ignores groups)"
+        )
+    return None
+
+
+def _op_groups(conv: ConvBackward) -> dict[str, int]:
+    if transpose_conv_applies_groups(conv.spatial_dims):
+        return {"groups": conv.groups, "dense_groups": 1}
+    return {"groups": 1, "dense_groups": conv.groups}
+
+
 # The modes of Options.output_padding and Options.stride (explained there).
 OUTPUT_PADDING_MODES = options.OUTPUT_PADDING_MODES
 STRIDE_MODES = options.STRIDE_MODES
+
+
+def transpose_conv_takes_strides(spatial_dims: int, stride: Sequence[int]) -> bool:
+    """Whether the HTP's TransposeConv op computes right with these strides.
+
+    Measured on the QAIRT 2.51 x86-64 simulator (V69 to V81): TransposeConv3d
+    (NDHWC) is wrong when its H and W strides differ ((1, 2, 1), (2, 2, 1):
+    errors as large as the outputs; delta kernels show the W dim stepped by the
+    H stride) or fails to compile ((1, 1, 2), (2, 1, 2)); the D stride is free.
+    TransposeConv2d takes any strides.
+    """
+    return spatial_dims != 3 or stride[-2] == stride[-1]
+
+
+def transpose_conv_spatial_order(conv: ConvBackward) -> tuple[int, ...] | None:
+    """The order of the spatial dims in which grad_input's TransposeConv runs.
+
+    The identity where the op takes the strides as they are; otherwise the first
+    reordering it takes (for 3-D: the dims with equal strides moved to H and W,
+    grad_output and grad_input transposed around the op). None: no order works
+    (three different strides in 3-D).
+    """
+    for order in itertools.permutations(range(conv.spatial_dims)):  # the identity first
+        if transpose_conv_takes_strides(conv.spatial_dims, [conv.stride[i] for i in order]):
+            return order
+    return None
+
+
+def inverse_order(order: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(order)), key=lambda i: order[i]))
+
+
+def transpose_conv_applies_padding(spatial_dims: int) -> bool:
+    """Whether the HTP's TransposeConv op for this many spatial dims crops as told.
+
+    Measured on the QAIRT 2.51 x86-64 simulator (V73, delta kernels): TransposeConv3d
+    crops the D dim by the H dim's pad_amount (pads (0, 1, 1) crop D by 1, (1, 0, 0)
+    by 0); equal pads in all three dims are right. TransposeConv2d crops as told.
+    """
+    return spatial_dims != 3
 
 
 def parameter_is_reliable(conv: ConvBackward) -> bool:
@@ -229,7 +346,8 @@ def plan_input_gradient(
     Where every strided dim has a kernel of 1 (a 1x1 downsampling conv), a
     kernel-1 convolution commutes with the upsampling: the transposed
     convolution runs on grad_output as it is (``s^d`` times fewer multiply-adds)
-    and its output is upsampled and cropped the same way.
+    and its output is upsampled and cropped the same way. 3-D convolutions keep
+    the op's stride (see below).
 
     Otherwise (``stride="parameter"``, or every stride 1) the transposed
     convolution has the forward stride. It produces its full extent
@@ -246,7 +364,10 @@ def plan_input_gradient(
     if stride not in STRIDE_MODES:
         raise ValueError(f"stride mode {stride!r} is not one of {STRIDE_MODES}")
     unit = (1,) * conv.spatial_dims
-    if stride == "zero_insert" and any(s > 1 for s in conv.stride):
+    # The zero-insertion plan crops through pad_amount, which TransposeConv3d
+    # applies wrongly (transpose_conv_applies_padding): 3-D keeps the op's stride.
+    upsample = stride == "zero_insert" and transpose_conv_applies_padding(conv.spatial_dims)
+    if upsample and any(s > 1 for s in conv.stride):
         dims = list(
             zip(
                 conv.input_shape[2:],
@@ -273,19 +394,21 @@ def plan_input_gradient(
             pad_amount=tuple(pad_amount),
             output_padding=(0,) * conv.spatial_dims,
             grad_output_pad_end=(0,) * conv.spatial_dims,
-            groups=conv.groups,
+            **_op_groups(conv),
             zero_insert=tuple(conv.stride),
             upsample_output=after,
             output_crop=tuple(crop),
         )
     op = conv.transposed_output_padding()
+    if mode == "crop" or (mode == "auto" and not transpose_conv_applies_padding(conv.spatial_dims)):
+        return _crop_plan(conv, op)
     if mode == "parameter" or (mode == "auto" and parameter_is_reliable(conv)):
         return TransposedConvPlan(
             stride=conv.stride,
             pad_amount=tuple((p, p) for p in conv.padding),
             output_padding=op,
             grad_output_pad_end=(0,) * conv.spatial_dims,
-            groups=conv.groups,
+            **_op_groups(conv),
             zero_insert=unit,
         )
     pad_amount, extend = [], []
@@ -301,29 +424,81 @@ def plan_input_gradient(
         pad_amount=tuple(pad_amount),
         output_padding=(0,) * conv.spatial_dims,
         grad_output_pad_end=tuple(extend),
-        groups=conv.groups,
+        **_op_groups(conv),
         zero_insert=unit,
+    )
+
+
+def _crop_plan(conv: ConvBackward, op: tuple[int, ...]) -> TransposedConvPlan:
+    """The op uncropped; grad_input sliced out of its full extent.
+
+    The full extent is ``(o - 1) s + d (k - 1) + 1 = i + 2p - op``; grad_input is
+    ``[p, p + i)`` of it. Where ``op > p`` that reaches past the end: one zero
+    row appended to grad_output extends the full extent by ``s > op - p``.
+    """
+    full, extend, slices = [], [], []
+    for i, o, s, p, d, k, pad_out in zip(
+        conv.input_shape[2:],
+        conv.grad_output_shape[2:],
+        conv.stride,
+        conv.padding,
+        conv.dilation,
+        conv.kernel,
+        op,
+    ):
+        extra = 1 if pad_out > p else 0
+        full.append((int(o) + extra - 1) * s + d * (k - 1) + 1)
+        extend.append(extra)
+        slices.append((p, p + int(i)))
+    return TransposedConvPlan(
+        stride=conv.stride,
+        pad_amount=((0, 0),) * conv.spatial_dims,
+        output_padding=(0,) * conv.spatial_dims,
+        grad_output_pad_end=tuple(extend),
+        full_size=tuple(full),
+        result_slice=tuple(slices),
+        **_op_groups(conv),
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class WeightGradPlan:
-    """The Conv2d that computes grad_weight (see builders/weight_gradient.py)."""
+    """The Conv2d / Conv3d that computes grad_weight (see builders/weight_gradient.py)."""
 
     stride: tuple[int, ...]  # the forward dilation
-    dilation: tuple[int, ...]  # the forward stride
+    dilation: tuple[int, ...]  # the op's dilation parameter: the forward stride, or 1s
     pad_amount: tuple[tuple[int, int], ...]
     output_size: tuple[int, ...]  # >= kernel; the excess is sliced off
+    # Where the op has no dilation: zeros inserted between the filter's taps
+    # (grad_output's elements) per spatial dim; 1: none.
+    filter_zero_stuffing: tuple[int, ...] = ()
+
+    @property
+    def stuffs_filter(self) -> bool:
+        return any(z > 1 for z in self.filter_zero_stuffing)
+
+
+def conv_applies_dilation(spatial_dims: int) -> bool:
+    """Whether the HTP's Conv op for this many spatial dims accepts a dilation > 1.
+
+    Measured on the QAIRT 2.51 x86-64 simulator: Conv3d with dilation 2 fails
+    QNN op validation ("has incorrect Value 2, expected equal to 1"); Conv2d
+    accepts it.
+    """
+    return spatial_dims != 3
 
 
 def plan_weight_gradient(conv: ConvBackward) -> WeightGradPlan:
-    """Conv2d of the batch/channel-swapped input with grad_output as filter.
+    """Convolution of the batch/channel-swapped input with grad_output as filter.
 
     The filter spans ``(o - 1) s + 1`` input elements (size o, dilation s), read
     at every ``d``-th position. With the forward padding at both ends it yields
     ``k + r // d`` positions, where ``r = i + 2p - d (k - 1) - 1 - (o - 1) s`` is
     what the forward convolution's floor division dropped; the end padding is
-    reduced by r where it can be, and anything left over is sliced off.
+    reduced by r where it can be, and anything left over is sliced off. Where
+    the op takes no dilation (``conv_applies_dilation``), the filter is dilated
+    by inserting ``s - 1`` zeros between its elements instead: same extent, same
+    output.
     """
     pads, sizes = [], []
     for i, o, s, p, d, k in zip(
@@ -338,9 +513,14 @@ def plan_weight_gradient(conv: ConvBackward) -> WeightGradPlan:
         end = max(p - dropped, 0)
         pads.append((p, end))
         sizes.append((int(i) + p + end - (int(o) - 1) * s - 1) // d + 1)
+    if conv_applies_dilation(conv.spatial_dims):
+        dilation, stuffing = conv.stride, (1,) * conv.spatial_dims
+    else:
+        dilation, stuffing = (1,) * conv.spatial_dims, conv.stride
     return WeightGradPlan(
         stride=conv.dilation,
-        dilation=conv.stride,
+        dilation=dilation,
         pad_amount=tuple(pads),
         output_size=tuple(sizes),
+        filter_zero_stuffing=stuffing,
     )

@@ -91,7 +91,7 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
 
     Every op reading the weight gets the wrapper cached under its name, so the
     runtime HWIO tensor is only made where all readers expect HWIO: non-transposed
-    2-D convolutions and convolution_backward, with at least one convolution and
+    2-D and 3-D convolutions and convolution_backward, with at least one convolution and
     one convolution_backward that computes grad_input.
     """
     if not isinstance(weight_node, torch.fx.Node):
@@ -105,13 +105,18 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
         return f"also read by {others}"
     if any(u.args[_CONV_TRANSPOSED] for u in forward):
         return "read by a transposed convolution"
-    if any(d != 1 for u in users if _reads_weight_values(u) for d in u.args[geo.DILATION]):
-        return "a dilated convolution_backward builds its own (dilated) filter"
+    for user in filter(_reads_weight_values, users):
+        try:
+            own = geo.own_filter_reason(geo.parse(user))
+        except geo.ConvArgumentError as err:
+            own = f"{user.name}: {err}"
+        if own is not None:
+            return own
     if not integration.get("is_parameter")(weight_node, visitor.edge_program):
         return "weight is not a parameter of the program"
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
-    if weight.dim() != 4:
-        return f"not a 2-D convolution (weight rank {weight.dim()})"
+    if weight.dim() not in (4, 5):
+        return f"not a 2-D or 3-D convolution (weight rank {weight.dim()})"
     if not weight.dtype.is_floating_point:
         return f"weight dtype {weight.dtype}"
     quant_key = integration.get("QCOM_QUANT_ATTRS")
@@ -133,7 +138,12 @@ def _int32_param(op, name: str, values) -> None:
 
 
 def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_wrappers):
-    """Ops computing a tensor of ones ``[1] * rank`` from ``sample_node``'s first element."""
+    """Ops computing a ``[1, 1, 1, 1]`` tensor of ones from ``sample_node``'s first element.
+
+    The ones have the stored tensor's rank (4) whatever the sample's: the HTP's
+    element-wise ops reject rank 5 (measured: ElementWiseOr fails op validation
+    with "incorrect Rank 5"), so a 3-D convolution's NDHWC sample is reshaped first.
+    """
     sample_value = visitor.get_tensor(sample_node, build_node)
     source = visitor.define_tensor(
         sample_node,
@@ -143,15 +153,15 @@ def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_
         nodes_to_wrappers,
     )
     rank = sample_value.dim()
-    unit = [1] * rank
+    unit = [1] * (1 + len(RAW_BLOCK))  # the stored tensor's rank: [1, H, 8, 32]
 
-    def tensor(name: str, tensor_dtype: torch.dtype):
+    def tensor(name: str, tensor_dtype: torch.dtype, shape=unit):
         return qnn_ops.native_tensor(
-            visitor, f"{prefix}_{name}", unit, tensor_dtype, nodes_to_wrappers
+            visitor, f"{prefix}_{name}", shape, tensor_dtype, nodes_to_wrappers
         )
 
     value, same, differs, either, one = (
-        tensor("sample", sample_value.dtype),
+        tensor("sample", sample_value.dtype, [1] * rank),
         tensor("same", torch.bool),
         tensor("differs", torch.bool),
         tensor("either", torch.bool),
@@ -160,8 +170,17 @@ def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_
     slice_names = integration.get("OpStridedSlice")
     sample = qnn_ops.new_op(f"{prefix}_sample", slice_names.op_name, [source], [value])
     _int32_param(sample, slice_names.param_ranges, [[0, 1, 1]] * rank)
+    head = [sample]
+    if rank != len(unit):
+        flat = tensor("sample_flat", sample_value.dtype)
+        head.append(
+            qnn_ops.new_op(
+                f"{prefix}_sample_flat", integration.get("OpReshape").op_name, [value], [flat]
+            )
+        )
+        value = flat
     ops = [
-        sample,
+        *head,
         qnn_ops.new_op(
             f"{prefix}_same", integration.get("OpElementWiseEqual").op_name, [value, value], [same]
         ),
@@ -206,7 +225,7 @@ def provide_runtime_weight(
         return []
 
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
-    hwio = weight.permute(geo.OIHW_TO_HWIO).contiguous()
+    hwio = weight.permute(geo.oihw_to_hwio(weight.dim() - 2)).contiguous()
     numel = hwio.numel()
     raw_shape, padded = raw_layout(numel)
     flat = hwio.reshape(-1)

@@ -9,6 +9,8 @@ chosen by ``Options.input_gradient`` (see ``input_gradient.py``); the default::
       -> Transpose perm (0, 1, 3, 2) -> HWOI
     grad_output (NHWC) --TransposeConv2d(HWOI)--> grad_input (NHWC) [-> Pad]
 
+3-D convolutions use Conv3d / TransposeConv3d on NDHWC activations in the same way.
+
 grad_weight and grad_bias: see ``weight_gradient.py``. The visitor does not
 decide support (``partition.support.decide`` does); it raises on a node it
 cannot build, which the rules keep from it.
@@ -33,8 +35,10 @@ class ConvolutionBackwardVisitor(NodeVisitor):
 
     def define_node(self, node: torch.fx.Node, nodes_to_wrappers):
         conv = geo.parse(node)
-        if conv.spatial_dims != 2:
-            raise geo.ConvArgumentError(f"{node.name}: only 2-D convolutions are built here")
+        if conv.spatial_dims not in (2, 3):  # 1-D nodes are lifted to 2-D by the transform pass
+            raise geo.ConvArgumentError(
+                f"{node.name}: only 2-D and 3-D convolutions are built here"
+            )
         native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
         grad_output_node = self.get_node(node.args[geo.GRAD_OUTPUT])
         grad_output_value = self.get_tensor(grad_output_node, node)  # NHWC

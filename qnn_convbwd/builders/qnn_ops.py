@@ -132,6 +132,14 @@ def zero_insert(
     return ops, source, shape
 
 
+def transpose(name: str, source, result, perm: Sequence[int]):
+    """Transpose op: ``result`` dim i is ``source`` dim ``perm[i]``."""
+    names = integration.get("OpTranspose")
+    op = new_op(name, names.op_name, [source], [result])
+    uint32_param(op, names.param_perm, perm)
+    return op
+
+
 def bool_scalar(op, name: str, value: bool) -> None:
     op.AddScalarParam(
         name,

@@ -1,4 +1,4 @@
-"""grad_weight and grad_bias of a 2-D convolution on QNN.
+"""grad_weight and grad_bias of a 2-D or 3-D convolution on QNN.
 
 grad_weight is itself a convolution, with the roles of the operands exchanged::
 
@@ -9,10 +9,12 @@ input with batch and channels swapped, I[i, h, w, (g, n)] = xp[n, g*Cg + i, h, w
 and grad_output as a filter F[y, x, n, o] = g[n, o, y, x]: a grouped Conv2d of I
 with F, stride d, dilation s and the forward padding yields
 ``[Cg, kH', kW', C_out]`` (kH' >= kH; the excess is sliced off), which is
-grad_weight in HWIO order up to one Transpose to torch's OIHW.
+grad_weight in HWIO order up to one Transpose to torch's OIHW. The same holds
+per spatial dim for a 3-D convolution (Conv3d, NDHWC; the index lists below are
+built over the spatial dims).
 
 The filter is a runtime tensor (it is grad_output), which the HTP accepts for
-Conv2d. Alternatives considered: a MatMul over im2col patches needs the patch
+Conv2d and Conv3d. Alternatives considered: a MatMul over im2col patches needs the patch
 extraction as many StridedSlice/Concat ops (one per kernel tap) and a
 ``C_in*k*k``-wide intermediate; the convolution does the same reduction in one
 op on the HMX path.
@@ -22,6 +24,7 @@ grad_bias is a ReduceSum of grad_output over batch and spatial dims.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -45,6 +48,48 @@ def _reshape(name: str, source, shape: Sequence[int], dtype, visitor, n2w):
     return op, result
 
 
+def _stuff_zeros(name: str, source, shape, factors, dtype, visitor, n2w) -> tuple[list, object]:
+    """Insert ``f - 1`` zeros between the elements of each leading dim of ``source``.
+
+    ``shape`` is ``[*spatial, ...]``, ``factors`` one per spatial dim. One dim at
+    a time, with the dims before and after it merged (QNN ops take at most rank
+    5): ``[A, o, B] -> [A, o, 1, B] -Pad-> [A, o, f, B] -> [A, o f, B]``, then the
+    trailing ``f - 1`` zeros are sliced off.
+    """
+    ops, current, shape = [], source, list(shape)
+    for dim, factor in enumerate(factors):
+        if factor == 1:
+            continue
+        before, size, after = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+        step = f"{name}_stuff{dim}"
+        op, unit = _reshape(f"{step}_unit", current, [before, size, 1, after], dtype, visitor, n2w)
+        ops.append(op)
+        padded = qnn_ops.native_tensor(
+            visitor, f"{step}_padded", [before, size, factor, after], dtype, n2w
+        )
+        ops.append(qnn_ops.zero_pad_end(f"{step}_pad", unit, padded, (0, factor - 1)))
+        op, flat = _reshape(
+            f"{step}_flat", padded, [before, size * factor, after], dtype, visitor, n2w
+        )
+        ops.append(op)
+        shape[dim] = (size - 1) * factor + 1
+        trimmed = qnn_ops.native_tensor(
+            visitor, f"{step}_trimmed", [before, shape[dim], after], dtype, n2w
+        )
+        ops.append(
+            qnn_ops.strided_slice(
+                f"{step}_trim", flat, trimmed, [[0, before, 1], [0, shape[dim], 1], [0, after, 1]]
+            )
+        )
+        current = trimmed
+    op, result = _reshape(f"{name}_stuffed", current, shape, dtype, visitor, n2w)
+    return [*ops, op], result
+
+
+# QNN's convolution for each number of spatial dims (1-D is lifted to 2-D).
+_CONV_OPS = {2: "OpConv2d", 3: "OpConv3d"}
+
+
 def weight_gradient(
     visitor,
     node: torch.fx.Node,
@@ -54,64 +99,74 @@ def weight_gradient(
     result,
     nodes_to_wrappers,
 ) -> list:
-    """Ops computing grad_weight (OIHW, into ``result``) for a 2-D convolution."""
+    """Ops computing grad_weight (OIHW, into ``result``) for a 2-D or 3-D convolution."""
     native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
     dtype = conv.dtype
     x_node = visitor.get_node(node.args[geo.INPUT])
     x_value = visitor.get_tensor(x_node, node)  # NHWC
     x = visitor.define_tensor(x_node, node, x_value, native, nodes_to_wrappers)
-    n, h, w, cin = (int(v) for v in x_value.shape)
+    n, *spatial, cin = (int(v) for v in x_value.shape)
+    dims = list(range(1, 1 + len(spatial)))  # spatial axes of an NHWC tensor
+    last = len(spatial) + 1  # channel axis of an NHWC tensor
     groups = conv.groups
     cg = cin // groups
     base = f"{node.name}_gw"
     ops = []
 
-    # I = [Cg, H, W, groups * N]: batch and channels exchanged, groups kept apart.
+    # I = [Cg, *spatial, groups * N]: batch and channels exchanged, groups kept apart.
     if groups == 1:
         op, image, _ = _transpose(
-            f"{base}_image", x, [n, h, w, cin], (3, 1, 2, 0), dtype, visitor, nodes_to_wrappers
-        )
-        ops.append(op)
-    elif cg == 1:
-        # Depthwise: [N, H, W, C] -> [H, W, C, N] is I up to a Reshape, and with
-        # batch 1 it is I already. (The 5-D form below fails to compile here for
-        # some shapes: "could not create op: q::ForceFormat_Crouton", QAIRT 2.51.)
-        source, shape = x, [n, h, w, cin]
-        if n > 1:
-            op, source, shape = _transpose(
-                f"{base}_swap", x, shape, (1, 2, 3, 0), dtype, visitor, nodes_to_wrappers
-            )
-            ops.append(op)
-        op, image = _reshape(
-            f"{base}_image", source, [1, h, w, cin * n], dtype, visitor, nodes_to_wrappers
-        )
-        ops.append(op)
-    else:
-        op, split = _reshape(
-            f"{base}_split", x, [n, h, w, groups, cg], dtype, visitor, nodes_to_wrappers
-        )
-        ops.append(op)
-        op, swapped, _ = _transpose(
-            f"{base}_swap",
-            split,
-            [n, h, w, groups, cg],
-            (4, 1, 2, 3, 0),
+            f"{base}_image",
+            x,
+            [n, *spatial, cin],
+            (last, *dims, 0),
             dtype,
             visitor,
             nodes_to_wrappers,
         )
         ops.append(op)
+    elif cg == 1:
+        # Depthwise: [N, S, C] -> [S, C, N] is I up to a Reshape, and with batch 1
+        # it is I already. (The general form below, with 5-D tensors for 2-D convs,
+        # failed to compile for batch 1, a 1x1 grad_output and a unit padded input
+        # dim: "could not create op: q::ForceFormat_Crouton", QAIRT 2.51.)
+        merged = math.prod(spatial)
+        source = x
+        if n > 1:
+            op, flat = _reshape(
+                f"{base}_flat", x, [n, merged, cin], dtype, visitor, nodes_to_wrappers
+            )
+            ops.append(op)
+            op, source, _ = _transpose(
+                f"{base}_swap", flat, [n, merged, cin], (1, 2, 0), dtype, visitor, nodes_to_wrappers
+            )
+            ops.append(op)
         op, image = _reshape(
-            f"{base}_image", swapped, [cg, h, w, groups * n], dtype, visitor, nodes_to_wrappers
+            f"{base}_image", source, [1, *spatial, cin * n], dtype, visitor, nodes_to_wrappers
+        )
+        ops.append(op)
+    else:
+        # The spatial dims travel merged (QNN ops take at most rank 5):
+        # [N, S, groups, Cg] -> [Cg, S, groups, N] -> [Cg, *spatial, groups * N].
+        merged = math.prod(spatial)
+        split_shape = [n, merged, groups, cg]
+        op, split = _reshape(f"{base}_split", x, split_shape, dtype, visitor, nodes_to_wrappers)
+        ops.append(op)
+        op, swapped, _ = _transpose(
+            f"{base}_swap", split, split_shape, (3, 1, 2, 0), dtype, visitor, nodes_to_wrappers
+        )
+        ops.append(op)
+        op, image = _reshape(
+            f"{base}_image", swapped, [cg, *spatial, groups * n], dtype, visitor, nodes_to_wrappers
         )
         ops.append(op)
 
-    # F = [Ho, Wo, N, C_out]: grad_output as an HWIO filter.
+    # F = [*out, N, C_out]: grad_output as an HWIO filter.
     op, filt, _ = _transpose(
         f"{base}_filter",
         grad_output,
         list(grad_output_shape),
-        (1, 2, 0, 3),
+        (*dims, 0, last),
         dtype,
         visitor,
         nodes_to_wrappers,
@@ -119,6 +174,17 @@ def weight_gradient(
     ops.append(op)
 
     plan = geo.plan_weight_gradient(conv)
+    if plan.stuffs_filter:
+        more, filt = _stuff_zeros(
+            f"{base}_filter",
+            filt,
+            [*grad_output_shape[1:-1], n, conv.out_channels],
+            plan.filter_zero_stuffing,
+            dtype,
+            visitor,
+            nodes_to_wrappers,
+        )
+        ops += more
     full_shape = [cg, *plan.output_size, conv.out_channels]
     needs_slice = tuple(plan.output_size) != conv.kernel
     conv_out = (
@@ -128,7 +194,7 @@ def weight_gradient(
     )
     hwio_shape = [cg, *conv.kernel, conv.out_channels]
     hwio = qnn_ops.native_tensor(visitor, f"{base}_hwio", hwio_shape, dtype, nodes_to_wrappers)
-    names = integration.get("OpConv2d")
+    names = integration.get(_CONV_OPS[conv.spatial_dims])
     conv_op = qnn_ops.new_op(f"{base}_conv", names.op_name, [image, filt], [conv_out or hwio])
     qnn_ops.uint32_param(conv_op, names.param_stride, plan.stride)
     qnn_ops.uint32_param(conv_op, names.param_pad_amount, plan.pad_amount)
@@ -139,9 +205,9 @@ def weight_gradient(
         ranges = [[0, cg, 1], *([0, k, 1] for k in conv.kernel), [0, conv.out_channels, 1]]
         ops.append(qnn_ops.strided_slice(f"{base}_crop", conv_out, hwio, ranges))
 
-    # [Cg, kH, kW, C_out] -> OIHW [C_out, Cg, kH, kW]
+    # [Cg, *k, C_out] -> OIHW [C_out, Cg, *k]
     op = qnn_ops.new_op(f"{base}_oihw", integration.get("OpTranspose").op_name, [hwio], [result])
-    qnn_ops.uint32_param(op, integration.get("OpTranspose").param_perm, (3, 0, 1, 2))
+    qnn_ops.uint32_param(op, integration.get("OpTranspose").param_perm, (last, 0, *dims))
     ops.append(op)
     return ops
 

@@ -1,16 +1,18 @@
 """The static convolution weight, shared between the forward and backward ops.
 
-executorch's forward Conv2d visitor defines the weight as a static tensor named
-after the weight node, in HWIO layout, and caches the wrapper by that name. The
-backward visitors ask for the same name and layout, so they receive the very
-same wrapper: the weight's bytes enter the QNN graph once. Any other layout
-(HWOI for TransposeConv2d) is a data-less tensor produced by a Transpose op,
-built once per weight and shared by every backward node that reads it.
+executorch's forward convolution visitor defines the weight as a static tensor
+named after the weight node, in HWIO layout, and caches the wrapper by that
+name. The backward visitors ask for the same name and layout, so they receive
+the very same wrapper: the weight's bytes enter the QNN graph once. Any other
+layout (HWOI for TransposeConv) is a data-less tensor produced by a Transpose
+op, built once per weight and shared by every backward node that reads it.
+Layout names: ``conv_geometry`` (they cover 2-D and 3-D kernels).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -23,67 +25,119 @@ from . import qnn_ops
 
 @dataclasses.dataclass
 class WeightTensors:
-    hwio: object  # static wrapper shared with the forward Conv2d
+    hwio: object  # static wrapper shared with the forward convolution
     hwoi: object  # native wrapper produced by ``transpose`` (or by an earlier node)
     transpose: object | None  # the Transpose op to emit, None when already emitted
 
 
 def static_weight_hwio(visitor, weight_node: torch.fx.Node, build_node, nodes_to_wrappers):
-    """The weight's static HWIO wrapper, identical to the one the forward Conv2d defines."""
+    """The weight's static HWIO wrapper, identical to the one the forward convolution defines."""
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
     return visitor.define_tensor(
         weight_node,
         build_node,
-        weight.permute(geo.OIHW_TO_HWIO).contiguous(),
+        weight.permute(geo.oihw_to_hwio(weight.dim() - 2)).contiguous(),
         integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_STATIC,
         nodes_to_wrappers,
     )
 
 
-def hwoi_name(weight_node: torch.fx.Node) -> str:
-    return f"{weight_node.name}_convbwd_hwoi"
+def hwoi_name(weight_node: torch.fx.Node, order: Sequence[int] = ()) -> str:
+    """Name of the HWOI filter; ``order`` (spatial dims reordered) other than the identity
+    is part of it."""
+    name = f"{weight_node.name}_convbwd_hwoi"
+    if list(order) != sorted(order):
+        name += "_order" + "".join(map(str, order))
+    return name
 
 
-def dilated_hwoi(
-    visitor, weight_node: torch.fx.Node, build_node, dilation, nodes_to_wrappers
+def _order_kernel(order: Sequence[int], spatial: int) -> tuple[int, ...]:
+    """Permutation of an HWOI filter taking its kernel dims in ``order``."""
+    return (*(order or range(spatial)), spatial, spatial + 1)
+
+
+def expanded_hwoi(
+    visitor,
+    weight_node: torch.fx.Node,
+    build_node,
+    dilation,
+    dense_groups: int,
+    order: Sequence[int],
+    nodes_to_wrappers,
 ) -> WeightTensors:
-    """A static HWOI filter with the kernel dilated (zeros between the taps).
+    """A static HWOI filter with the kernel dilated and/or the groups made dense.
 
-    TransposeConv2d has no dilation parameter; a dilated transposed convolution
-    is the undilated one with this kernel. It is a second static tensor: the
-    weight is stored twice (and larger) for dilated convolutions.
+    TransposeConv has no dilation parameter: a dilated transposed convolution
+    is the undilated one with zeros between the kernel taps. Where the op
+    ignores its group parameter (``geo.transpose_conv_applies_groups``), the
+    grouped weight ``[C_out, C_in/g, *k]`` becomes the dense ``[C_out, C_in, *k]``
+    that is zero outside each output channel's group. Either way this is a second
+    static tensor: the weight is stored twice, and larger. Its kernel dims are
+    taken in ``order`` (see ``geo.transpose_conv_spatial_order``).
     """
-    name = f"{hwoi_name(weight_node)}_dilated_{'x'.join(map(str, dilation))}"
+    suffix = [f"dilated_{'x'.join(map(str, dilation))}"] if any(d != 1 for d in dilation) else []
+    suffix += [f"dense_{dense_groups}"] if dense_groups > 1 else []
+    name = "_".join([hwoi_name(weight_node, order), *suffix])
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
-    out_c, in_c, *kernel = weight.shape
+    out_c, in_g, *kernel = weight.shape
+    spatial = len(kernel)
     size = [d * (k - 1) + 1 for d, k in zip(dilation, kernel, strict=True)]
-    oihw = [out_c, in_c, *size]
-    hwoi_dims = [[oihw[i] for i in geo.OIHW_TO_HWIO][j] for j in geo.HWIO_TO_HWOI]
+    oihw = [out_c, in_g * dense_groups, *size]
+    reorder = _order_kernel(order, spatial)
+    hwoi_dims = [[oihw[i] for i in geo.oihw_to_hwio(spatial)][j] for j in geo.hwio_to_hwoi(spatial)]
+    hwoi_dims = [hwoi_dims[i] for i in reorder]
     hwoi = None
     if not isinstance(weight, FakeTensor):  # real data outside op validation
-        dilated = np.zeros(oihw, dtype=weight.detach().numpy().dtype)
-        dilated[:, :, :: dilation[0], :: dilation[1]] = weight.detach().numpy()
-        hwoi = dilated.transpose(geo.OIHW_TO_HWIO).transpose(geo.HWIO_TO_HWOI)
+        expanded = np.zeros(oihw, dtype=weight.detach().numpy().dtype)
+        taps = tuple(slice(None, None, d) for d in dilation)
+        per_group = out_c // dense_groups
+        for g in range(dense_groups):
+            rows = slice(g * per_group, (g + 1) * per_group)
+            cols = slice(g * in_g, (g + 1) * in_g)
+            expanded[(rows, cols, *taps)] = weight.detach().numpy()[rows]
+        hwoi = (
+            expanded.transpose(geo.oihw_to_hwio(spatial))
+            .transpose(geo.hwio_to_hwoi(spatial))
+            .transpose(reorder)
+        )
     tensor = qnn_ops.static_tensor(name, hwoi, hwoi_dims, weight.dtype, nodes_to_wrappers)
     return WeightTensors(None, tensor, None)
 
 
 def weight_for_input_gradient(
-    visitor, weight_node: torch.fx.Node, build_node: torch.fx.Node, nodes_to_wrappers
+    visitor,
+    weight_node: torch.fx.Node,
+    build_node: torch.fx.Node,
+    plan: geo.TransposedConvPlan,
+    order: Sequence[int],
+    nodes_to_wrappers,
 ) -> WeightTensors:
+    """The HWOI filter of grad_input's TransposeConv, following ``plan``, with its
+    kernel dims in ``order``."""
     conv = geo.parse(build_node)
-    if any(d != 1 for d in conv.dilation):
-        return dilated_hwoi(visitor, weight_node, build_node, conv.dilation, nodes_to_wrappers)
+    if geo.own_filter_reason(conv) is not None:
+        return expanded_hwoi(
+            visitor,
+            weight_node,
+            build_node,
+            conv.dilation,
+            plan.dense_groups,
+            order,
+            nodes_to_wrappers,
+        )
     hwio = static_weight_hwio(visitor, weight_node, build_node, nodes_to_wrappers)
-    name = hwoi_name(weight_node)
+    name = hwoi_name(weight_node, order)
     cached = nodes_to_wrappers.get(name, {}).get(0)
     if cached is not None:
         return WeightTensors(hwio, cached, None)
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
-    hwio_shape = [weight.shape[i] for i in geo.OIHW_TO_HWIO]
-    hwoi_shape = [hwio_shape[i] for i in geo.HWIO_TO_HWOI]
+    spatial = weight.dim() - 2
+    hwio_shape = [weight.shape[i] for i in geo.oihw_to_hwio(spatial)]
+    # HWIO -> HWOI, kernel dims in ``order``: one Transpose.
+    perm = [geo.hwio_to_hwoi(spatial)[i] for i in _order_kernel(order, spatial)]
+    hwoi_shape = [hwio_shape[i] for i in perm]
     hwoi = qnn_ops.native_tensor(visitor, name, hwoi_shape, weight.dtype, nodes_to_wrappers)
     op_names = integration.get("OpTranspose")
     transpose = qnn_ops.new_op(f"{name}_transpose", op_names.op_name, [hwio], [hwoi])
-    qnn_ops.uint32_param(transpose, op_names.param_perm, geo.HWIO_TO_HWOI)
+    qnn_ops.uint32_param(transpose, op_names.param_perm, perm)
     return WeightTensors(hwio, hwoi, transpose)

@@ -36,7 +36,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16)
 # number of spatial dims, dilation) means adding its name here together with the
 # builder code that handles it; the rules below read this set when they run.
 CAPABILITIES: frozenset[str] = frozenset(
-    {"grad_input", "grad_weight", "grad_bias", "conv1d", "conv2d", "dilation"}
+    {"grad_input", "grad_weight", "grad_bias", "conv1d", "conv2d", "conv3d", "dilation"}
 )
 # Every name a rule understands, including those no builder handles yet.
 KNOWN_CAPABILITIES: frozenset[str] = frozenset(
@@ -258,6 +258,21 @@ def expressible_output_padding(node, conv, target):
             f"output_padding={list(op)}, stride={list(conv.stride)}",
         )
     return None
+
+
+@rule
+def transpose_conv3d_strides(node, conv, target):
+    # The HTP's TransposeConv3d is wrong or fails to compile when its H and W
+    # strides differ (measured, see geo.transpose_conv_takes_strides). grad_input
+    # then runs with the spatial dims reordered so that two equal strides land on
+    # H and W; with three different strides no order does.
+    if not conv.output_mask[0] or geo.transpose_conv_spatial_order(conv) is not None:
+        return None
+    return _reject(
+        "the HTP's TransposeConv3d (grad_input) is wrong or fails to compile when its "
+        "H and W strides differ, and no order of the spatial dims makes them equal",
+        f"stride={list(conv.stride)}",
+    )
 
 
 def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:

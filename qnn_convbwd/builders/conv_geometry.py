@@ -126,7 +126,13 @@ class ConvBackward:
         division dropped (odd sizes with stride 2 need 1).
         """
         return tuple(
-            int(i) - ((int(o) - 1) * s - 2 * p + d * (k - 1) + 1)
+            i - ((o - 1) * s - 2 * p + d * (k - 1) + 1) for i, o, s, p, d, k in self.per_dim()
+        )
+
+    def per_dim(self) -> list[tuple[int, int, int, int, int, int]]:
+        """Per spatial dim: (input size, grad_output size, stride, padding, dilation, kernel)."""
+        return [
+            (int(i), int(o), s, p, d, k)
             for i, o, s, p, d, k in zip(
                 self.input_shape[2:],
                 self.grad_output_shape[2:],
@@ -135,7 +141,7 @@ class ConvBackward:
                 self.dilation,
                 self.kernel,
             )
-        )
+        ]
 
     def with_spatial_order(self, order: Sequence[int]) -> ConvBackward:
         """The same convolution with its spatial dims taken in ``order``."""
@@ -368,20 +374,10 @@ def plan_input_gradient(
     # applies wrongly (transpose_conv_applies_padding): 3-D keeps the op's stride.
     upsample = stride == "zero_insert" and transpose_conv_applies_padding(conv.spatial_dims)
     if upsample and any(s > 1 for s in conv.stride):
-        dims = list(
-            zip(
-                conv.input_shape[2:],
-                conv.grad_output_shape[2:],
-                conv.stride,
-                conv.padding,
-                conv.dilation,
-                conv.kernel,
-            )
-        )
+        dims = conv.per_dim()
         after = all(d * (k - 1) + 1 == 1 for _, _, s, _, d, k in dims if s > 1)
         pad_amount, crop = [], []
         for i, o, s, p, d, k in dims:
-            i, o = int(i), int(o)
             if after and s > 1:  # kernel 1: the convolution keeps o, the upsampling crops
                 pad_amount.append((0, 0))
                 crop.append((p, o * s - p - i))
@@ -437,19 +433,11 @@ def _crop_plan(conv: ConvBackward, op: tuple[int, ...]) -> TransposedConvPlan:
     row appended to grad_output extends the full extent by ``s > op - p``.
     """
     full, extend, slices = [], [], []
-    for i, o, s, p, d, k, pad_out in zip(
-        conv.input_shape[2:],
-        conv.grad_output_shape[2:],
-        conv.stride,
-        conv.padding,
-        conv.dilation,
-        conv.kernel,
-        op,
-    ):
+    for (i, o, s, p, d, k), pad_out in zip(conv.per_dim(), op):
         extra = 1 if pad_out > p else 0
-        full.append((int(o) + extra - 1) * s + d * (k - 1) + 1)
+        full.append((o + extra - 1) * s + d * (k - 1) + 1)
         extend.append(extra)
-        slices.append((p, p + int(i)))
+        slices.append((p, p + i))
     return TransposedConvPlan(
         stride=conv.stride,
         pad_amount=((0, 0),) * conv.spatial_dims,
@@ -501,18 +489,11 @@ def plan_weight_gradient(conv: ConvBackward) -> WeightGradPlan:
     output.
     """
     pads, sizes = [], []
-    for i, o, s, p, d, k in zip(
-        conv.input_shape[2:],
-        conv.grad_output_shape[2:],
-        conv.stride,
-        conv.padding,
-        conv.dilation,
-        conv.kernel,
-    ):
-        dropped = int(i) + 2 * p - d * (k - 1) - 1 - (int(o) - 1) * s
+    for i, o, s, p, d, k in conv.per_dim():
+        dropped = i + 2 * p - d * (k - 1) - 1 - (o - 1) * s
         end = max(p - dropped, 0)
         pads.append((p, end))
-        sizes.append((int(i) + p + end - (int(o) - 1) * s - 1) // d + 1)
+        sizes.append((i + p + end - (o - 1) * s - 1) // d + 1)
     if conv_applies_dilation(conv.spatial_dims):
         dilation, stuffing = conv.stride, (1,) * conv.spatial_dims
     else:

@@ -102,10 +102,10 @@ def transpose_conv(req: GradInputRequest) -> list:
     n, *_, channels = grad_input_shape
     stages = [("full", [n, *plan.full_size, channels])] if plan.result_slice else []
     if plan.upsample_output:
-        # grad_output's spatial size where strided (kernel 1), cropped elsewhere.
+        # Before upsampling: grad_output's size where strided (kernel 1), grad_input's elsewhere.
         compact = [
-            size - 1 + _kernel_extent(conv, dim) - begin - end
-            for dim, (size, (begin, end)) in enumerate(zip(shape[1:-1], plan.pad_amount))
+            o if f > 1 else i
+            for o, i, f in zip(shape[1:-1], grad_input_shape[1:-1], plan.zero_insert)
         ]
         stages.append(("compact", [n, *compact, channels]))
     stages += [("reordered", grad_input_shape)] if reordered else []
@@ -134,10 +134,6 @@ def transpose_conv(req: GradInputRequest) -> list:
         back = _activation_perm(geo.inverse_order(order))
         ops.append(qnn_ops.transpose(f"{node.name}_restore", result, tensors.pop(0), back))
     return ops
-
-
-def _kernel_extent(conv: geo.ConvBackward, dim: int) -> int:
-    return conv.dilation[dim] * (conv.kernel[dim] - 1) + 1
 
 
 def _upsample_output(req: GradInputRequest, plan: geo.TransposedConvPlan, source, shape, target):

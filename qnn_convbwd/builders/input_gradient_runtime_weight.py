@@ -43,7 +43,6 @@ import logging
 import math
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from .. import integration
@@ -125,18 +124,6 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
     return None
 
 
-def _int32_param(op, name: str, values) -> None:
-    array = np.asarray(values, dtype=np.int32)
-    op.AddTensorParam(
-        name,
-        qnn_ops.adaptor_enum("Qnn_DataType_t").QNN_DATATYPE_INT_32,
-        array.ndim,
-        list(array.shape),
-        array,
-        True,
-    )
-
-
 def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_wrappers):
     """Ops computing a ``[1, 1, 1, 1]`` tensor of ones from ``sample_node``'s first element.
 
@@ -167,17 +154,10 @@ def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_
         tensor("either", torch.bool),
         tensor("one", dtype),
     )
-    slice_names = integration.get("OpStridedSlice")
-    sample = qnn_ops.new_op(f"{prefix}_sample", slice_names.op_name, [source], [value])
-    _int32_param(sample, slice_names.param_ranges, [[0, 1, 1]] * rank)
-    head = [sample]
+    head = [qnn_ops.strided_slice(f"{prefix}_sample", source, value, [[0, 1, 1]] * rank)]
     if rank != len(unit):
         flat = tensor("sample_flat", sample_value.dtype)
-        head.append(
-            qnn_ops.new_op(
-                f"{prefix}_sample_flat", integration.get("OpReshape").op_name, [value], [flat]
-            )
-        )
+        head.append(qnn_ops.reshape(f"{prefix}_sample_flat", value, flat))
         value = flat
     ops = [
         *head,
@@ -257,22 +237,19 @@ def provide_runtime_weight(
             [scaled],
         )
     )
-    reshape = integration.get("OpReshape").op_name
     source = scaled
     if padded > numel:
         row = native("row", [1, 1, 1, padded])
-        ops.append(qnn_ops.new_op(f"{prefix}_row", reshape, [scaled], [row]))
+        ops.append(qnn_ops.reshape(f"{prefix}_row", scaled, row))
         trimmed = native("trimmed", [1, 1, 1, numel])
-        slice_names = integration.get("OpStridedSlice")
-        trim = qnn_ops.new_op(f"{prefix}_trim", slice_names.op_name, [row], [trimmed])
-        _int32_param(trim, slice_names.param_ranges, [[0, 1, 1]] * 3 + [[0, numel, 1]])
-        ops.append(trim)
+        ranges = [[0, 1, 1]] * 3 + [[0, numel, 1]]
+        ops.append(qnn_ops.strided_slice(f"{prefix}_trim", row, trimmed, ranges))
         source = trimmed
     # Cached under the weight node's own name: the forward Conv2d visitor asks for it.
     runtime_hwio = qnn_ops.native_tensor(
         visitor, weight_node.name, list(hwio.shape), hwio.dtype, nodes_to_wrappers
     )
-    ops.append(qnn_ops.new_op(f"{prefix}_hwio", reshape, [source], [runtime_hwio]))
+    ops.append(qnn_ops.reshape(f"{prefix}_hwio", source, runtime_hwio))
     logger.debug(
         "%s: weight %s stored once as %s, HWIO %s at run time",
         build_node.name,

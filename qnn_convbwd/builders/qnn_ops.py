@@ -112,7 +112,6 @@ def zero_insert(
     """
     ops = []
     shape = [int(v) for v in shape]
-    reshape = integration.get("OpReshape").op_name
     last = max(dim for dim, factor in enumerate(factors) if factor > 1)
     for dim, factor in enumerate(factors):
         if factor == 1:
@@ -128,8 +127,13 @@ def zero_insert(
             source = result
         else:
             source = native_tensor(visitor, f"{name}{dim}", shape, dtype, nodes_to_wrappers)
-        ops.append(new_op(f"{name}{dim}_reshape", reshape, [padded], [source]))
+        ops.append(reshape(f"{name}{dim}_reshape", padded, source))
     return ops, source, shape
+
+
+def reshape(name: str, source, result):
+    """Reshape op: ``source``'s elements in ``result``'s dims, row-major order kept."""
+    return new_op(name, integration.get("OpReshape").op_name, [source], [result])
 
 
 def transpose(name: str, source, result, perm: Sequence[int]):

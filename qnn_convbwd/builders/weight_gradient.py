@@ -37,15 +37,12 @@ from . import qnn_ops
 def _transpose(name: str, source, shape: Sequence[int], perm: Sequence[int], dtype, visitor, n2w):
     out_shape = [shape[i] for i in perm]
     result = qnn_ops.native_tensor(visitor, name, out_shape, dtype, n2w)
-    op = qnn_ops.new_op(f"{name}_op", integration.get("OpTranspose").op_name, [source], [result])
-    qnn_ops.uint32_param(op, integration.get("OpTranspose").param_perm, perm)
-    return op, result, out_shape
+    return qnn_ops.transpose(f"{name}_op", source, result, perm), result, out_shape
 
 
 def _reshape(name: str, source, shape: Sequence[int], dtype, visitor, n2w):
     result = qnn_ops.native_tensor(visitor, name, shape, dtype, n2w)
-    op = qnn_ops.new_op(f"{name}_op", integration.get("OpReshape").op_name, [source], [result])
-    return op, result
+    return qnn_ops.reshape(f"{name}_op", source, result), result
 
 
 def _stuff_zeros(name: str, source, shape, factors, dtype, visitor, n2w) -> tuple[list, object]:
@@ -127,9 +124,12 @@ def weight_gradient(
         ops.append(op)
     elif cg == 1:
         # Depthwise: [N, S, C] -> [S, C, N] is I up to a Reshape, and with batch 1
-        # it is I already. (The general form below, with 5-D tensors for 2-D convs,
-        # failed to compile for batch 1, a 1x1 grad_output and a unit padded input
-        # dim: "could not create op: q::ForceFormat_Crouton", QAIRT 2.51.)
+        # it is I already. Not the general form below: for batch 1, a 1x1
+        # grad_output and a unit padded input dim it failed to compile as a 5-D
+        # Transpose ("could not create op: q::ForceFormat_Crouton") and, as the 4-D
+        # Transpose of [N, S, groups, 1], computes grad_weight wrongly (measured:
+        # 2.2x the magnitude, V69, QAIRT 2.51). Grouped convs with Cg > 1 of the
+        # same shapes are right.
         merged = math.prod(spatial)
         source = x
         if n > 1:
@@ -206,9 +206,7 @@ def weight_gradient(
         ops.append(qnn_ops.strided_slice(f"{base}_crop", conv_out, hwio, ranges))
 
     # [Cg, *k, C_out] -> OIHW [C_out, Cg, *k]
-    op = qnn_ops.new_op(f"{base}_oihw", integration.get("OpTranspose").op_name, [hwio], [result])
-    qnn_ops.uint32_param(op, integration.get("OpTranspose").param_perm, (last, 0, *dims))
-    ops.append(op)
+    ops.append(qnn_ops.transpose(f"{base}_oihw", hwio, result, (last, 0, *dims)))
     return ops
 
 

@@ -137,7 +137,4 @@ def weight_for_input_gradient(
     perm = [geo.hwio_to_hwoi(spatial)[i] for i in _order_kernel(order, spatial)]
     hwoi_shape = [hwio_shape[i] for i in perm]
     hwoi = qnn_ops.native_tensor(visitor, name, hwoi_shape, weight.dtype, nodes_to_wrappers)
-    op_names = integration.get("OpTranspose")
-    transpose = qnn_ops.new_op(f"{name}_transpose", op_names.op_name, [hwio], [hwoi])
-    qnn_ops.uint32_param(transpose, op_names.param_perm, perm)
-    return WeightTensors(hwio, hwoi, transpose)
+    return WeightTensors(hwio, hwoi, qnn_ops.transpose(f"{name}_transpose", hwio, hwoi, perm))

@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from . import integration, options
+from . import integration, options, signature
 from .builders import conv_geometry as geo
-from .partition import cpu_kernel, support
+from .partition import cpu_kernel, support, trainable
 from .partition.target import Target
-from .passes import layout, preserve_output_dtypes, record_output_dtypes
+from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
 from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
 from .passes.conv1d import ON_CPU
 from .passes.shape_only_operands import SHAPE_OF
@@ -138,14 +138,23 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
         if not supported and not _nested_check.get():
             _warn_if_cpu_cannot_run(node)
         return supported
+    if target is not None:
+        refused = trainable.refusal(node, target.edge_program)
+        if refused is not None:
+            if not _nested_check.get():
+                logger.warning(trainable.message(node, refused))
+            return False
     if target is not None and node.meta.get(ON_CPU):
         # A reshape the transform pass added around a 1-D node it lifted for
         # executorch's CPU kernel: it runs with that node.
         return False
-    if target is not None and node.meta.get(SHAPE_OF):
-        # A full the plugin inserted (a shape-only stand-in) is delegated only together
-        # with every consumer: alone it would be a constant delegate output, which QNN
-        # does not bind (the runtime then reads past its argument list). The consumers'
+    if target is not None and (
+        node.meta.get(SHAPE_OF) or node.target in integration.get("constant_operator")
+    ):
+        # A constant (executorch's constant ops: full, scalar_tensor, arange, and the
+        # shape-only stand-ins the plugin inserts) is delegated only together with
+        # every consumer: alone it would be a constant delegate output, which QNN does
+        # not bind (the runtime then reads past its argument list). The consumers'
         # verdict includes executorch's skip options, which the transform pass cannot see.
         users_delegated = all(_would_delegate(checker, target, user) for user in node.users)
         return users_delegated and original()
@@ -162,15 +171,23 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
     return original()
 
 
-def _conv_prelude(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
-    """Ops the selected formulation builds before a forward convolution (usually none)."""
-    from .builders.input_gradient_runtime_weight import FORWARD_PRELUDES
+def _after_partition(edge_program) -> None:
+    """After partitioning: trainable parameters stay top-level tensors, and int64
+    constants kept on CPU keep their stored dtype (``passes.int64_constants``).
 
-    prelude = FORWARD_PRELUDES.get(options.current.input_gradient)
-    return [] if prelude is None else prelude(visitor, node, nodes_to_wrappers)
+    executorch tags a parameter whose users are all delegated into the delegate,
+    which then bakes its values into the QNN context. A parameter the joint graph
+    returns a gradient for must instead stay a program input that the delegate
+    reads at run time: ExecuTorch's training runtime updates it in place.
+    """
+    for node in signature.trainable_placeholders(edge_program):
+        if node.meta.pop("delegation_tag", None) is not None:
+            logger.debug("%s: trainable, kept as a delegate input", node.name)
+    int64_constants.restore_cpu_constant_dtypes(edge_program)
 
 
 def _hooks() -> integration.Hooks:
+    from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
 
     hooks = integration.Hooks()
@@ -183,7 +200,8 @@ def _hooks() -> integration.Hooks:
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes
     hooks.preserve_output_dtypes = preserve_output_dtypes
-    hooks.conv_prelude = _conv_prelude
+    hooks.conv_define = define_convolution
+    hooks.after_partition = _after_partition
     return hooks
 
 

@@ -43,6 +43,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.builders.qnn_constants", "OpElementWiseMultiply", "QNN op names (runtime_weight)"),
     (f"{_QC}.builders.qnn_constants", "OpCast", "QNN op names (runtime_weight)"),
     (f"{_QC}.builders.qnn_constants", "OpConv2d", "QNN op/param names (grad_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpDepthWiseConv2d", "QNN op/param names (run-time weight)"),
     (f"{_QC}.builders.qnn_constants", "OpConv3d", "QNN op/param names (3-D grad_weight)"),
     (f"{_QC}.builders.qnn_constants", "OpReduceSum", "QNN op/param names (grad_bias)"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "TensorWrapper", "static tensors with own names"),
@@ -62,6 +63,14 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "set while judging a convolution_backward (renamed nodes)",
     ),
     (f"{_QC}.partition.qnn_partitioner", "QnnOperatorSupport.is_node_supported", "patched: gates"),
+    (f"{_QC}.partition.common_defs", "constant_operator", "constants follow their consumers"),
+    (
+        f"{_QC}.partition.qnn_partitioner",
+        "QnnPartitioner.partition",
+        "patched: trainable parameters stay top-level (untagged)",
+    ),
+    (f"{_QC}.utils.constants", "QCOM_AXIS_ORDER", "layout of runtime weights"),
+    (f"{_QC}.utils.constants", "QCOM_INSERTED_PERMUTE", "layout of runtime weights"),
     (f"{_QC}._passes.qnn_pass_manager", "QnnPassManager.get_default_pass_activations", "patched"),
     (
         f"{_QC}._passes.qnn_pass_manager",
@@ -247,30 +256,30 @@ class Hooks:
     layout_mark: Callable[[Callable, Any, Any], None]  # (original, pass, node)
     record_output_dtypes: Callable[[Any, Any], None]  # (pass, graph_module)
     preserve_output_dtypes: Callable[[Callable, Any, Any], None]  # (original, pass, gm)
-    # Ops to build before executorch's forward convolution visitor builds a node,
-    # (visitor, node, nodes_to_wrappers) -> list of op wrappers; None: no wrapper.
-    conv_prelude: Callable[[Any, Any, Any], list] | None = None
+    # Builds a forward convolution in place of executorch's visitor:
+    # (original, visitor, node, nodes_to_wrappers) -> op wrapper(s); ``original()``
+    # runs executorch's own define_node. None: executorch's visitor as it is.
+    conv_define: Callable[[Callable[[], Any], Any, Any, Any], Any] | None = None
+    # Called after QnnPartitioner.partition has tagged the program (edge_program).
+    after_partition: Callable[[Any], None] | None = None
 
 
-# executorch's visitor of the forward convolution, wrapped when a prelude is set.
+# executorch's visitor of the forward convolution, wrapped when conv_define is set.
 CONV_TARGET = "aten.convolution.default"
 
 
-def _with_prelude(base: type, prelude: Callable[[Any, Any, Any], list]) -> type:
-    """Subclass of executorch's convolution visitor running ``prelude`` first."""
+def _with_define(base: type, define: Callable[[Callable[[], Any], Any, Any, Any], Any]) -> type:
+    """Subclass of executorch's convolution visitor whose define_node is ``define``."""
 
-    class ConvolutionWithPrelude(base):
+    class Convolution(base):
         def define_node(self, node, nodes_to_wrappers):
-            ops = prelude(self, node, nodes_to_wrappers)
-            built = super().define_node(node, nodes_to_wrappers)
-            if not ops or built is None:
-                return built
-            return [*ops, *(built if isinstance(built, list) else [built])]
+            def original():
+                return base.define_node(self, node, nodes_to_wrappers)
 
-    ConvolutionWithPrelude.__name__ = ConvolutionWithPrelude.__qualname__ = (
-        f"{base.__name__}WithPrelude"
-    )
-    return ConvolutionWithPrelude
+            return define(original, self, node, nodes_to_wrappers)
+
+    Convolution.__name__ = Convolution.__qualname__ = f"{base.__name__}ForQnnConvBwd"
+    return Convolution
 
 
 @contextlib.contextmanager
@@ -293,12 +302,12 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
     for target, cls in hooks.visitor_targets.items():
         p.dict_item(visitors, target, cls)
 
-    if hooks.conv_prelude is not None:
+    if hooks.conv_define is not None:
         if CONV_TARGET not in visitors:
             raise ExecutorchIntegrationError(
                 f"executorch {executorch_version()} registers no visitor for {CONV_TARGET}"
             )
-        p.dict_item(visitors, CONV_TARGET, _with_prelude(visitors[CONV_TARGET], hooks.conv_prelude))
+        p.dict_item(visitors, CONV_TARGET, _with_define(visitors[CONV_TARGET], hooks.conv_define))
 
     sensitive = get("LayoutTransform.layout_sensitive_ops")
     for op in hooks.layout_sensitive_ops:
@@ -350,6 +359,17 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
         return hooks.is_node_supported(original, self, node)
 
     p.set_attr(support_cls, "is_node_supported", is_node_supported)
+
+    if hooks.after_partition is not None:
+        partitioner_cls = qp.QnnPartitioner
+        orig_partition = partitioner_cls.partition
+
+        def partition(self, edge_program):
+            result = orig_partition(self, edge_program)
+            hooks.after_partition(result.tagged_exported_program)
+            return result
+
+        p.set_attr(partitioner_cls, "partition", partition)
 
     pm_cls = importlib.import_module(f"{_QC}._passes.qnn_pass_manager").QnnPassManager
     orig_activations = pm_cls.get_default_pass_activations.__func__

@@ -63,7 +63,7 @@ def transpose_conv(req: GradInputRequest) -> list:
     weight = weights.weight_for_input_gradient(
         visitor, visitor.get_node(node.args[geo.WEIGHT]), node, plan, order, n2w
     )
-    ops = [] if weight.transpose is None else [weight.transpose]
+    ops = list(weight.ops)
 
     def permuted(shape) -> list[int]:
         return [int(shape[i]) for i in _activation_perm(order)]

@@ -47,7 +47,7 @@ import torch
 
 from .. import integration
 from . import conv_geometry as geo
-from . import qnn_ops
+from . import qnn_ops, runtime_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,8 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
     """
     if not isinstance(weight_node, torch.fx.Node):
         return "weight is not a graph value"
+    if runtime_tensors.reads_at_run_time(visitor, weight_node):
+        return "read at run time already (a trainable parameter or a graph input)"
     users = list(weight_node.users)
     forward = [u for u in users if _is_forward_conv(u)]
     if not forward or not any(_reads_weight_values(u) for u in users):

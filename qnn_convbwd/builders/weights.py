@@ -20,14 +20,14 @@ from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import integration
 from . import conv_geometry as geo
-from . import qnn_ops
+from . import qnn_ops, runtime_tensors
 
 
 @dataclasses.dataclass
 class WeightTensors:
-    hwio: object  # static wrapper shared with the forward convolution
-    hwoi: object  # native wrapper produced by ``transpose`` (or by an earlier node)
-    transpose: object | None  # the Transpose op to emit, None when already emitted
+    hwio: object  # wrapper shared with the forward convolution (static, or run time)
+    hwoi: object  # native wrapper produced by ``ops`` (or by an earlier node)
+    ops: list  # the ops to emit that make ``hwoi`` (empty when already emitted)
 
 
 def static_weight_hwio(visitor, weight_node: torch.fx.Node, build_node, nodes_to_wrappers):
@@ -101,7 +101,7 @@ def expanded_hwoi(
             .transpose(reorder)
         )
     tensor = qnn_ops.static_tensor(name, hwoi, hwoi_dims, weight.dtype, nodes_to_wrappers)
-    return WeightTensors(None, tensor, None)
+    return WeightTensors(None, tensor, [])
 
 
 def weight_for_input_gradient(
@@ -115,7 +115,11 @@ def weight_for_input_gradient(
     """The HWOI filter of grad_input's TransposeConv, following ``plan``, with its
     kernel dims in ``order``."""
     conv = geo.parse(build_node)
-    if geo.own_filter_reason(conv) is not None:
+    run_time = runtime_tensors.reads_at_run_time(visitor, weight_node)
+    own_filter = geo.own_filter_reason(conv)
+    if own_filter is not None and run_time:  # partition.support keeps it from the visitor
+        raise geo.ConvArgumentError(f"{build_node.name}: {own_filter}, from a run-time weight")
+    if own_filter is not None:
         return expanded_hwoi(
             visitor,
             weight_node,
@@ -125,16 +129,23 @@ def weight_for_input_gradient(
             order,
             nodes_to_wrappers,
         )
-    hwio = static_weight_hwio(visitor, weight_node, build_node, nodes_to_wrappers)
+    if run_time:
+        ops, hwio = runtime_tensors.runtime_hwio(
+            visitor, weight_node, build_node, nodes_to_wrappers
+        )
+    else:
+        ops, hwio = [], static_weight_hwio(visitor, weight_node, build_node, nodes_to_wrappers)
     name = hwoi_name(weight_node, order)
     cached = nodes_to_wrappers.get(name, {}).get(0)
     if cached is not None:
-        return WeightTensors(hwio, cached, None)
-    weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
+        return WeightTensors(hwio, cached, ops)
+    weight = weight_node.meta["val"]
     spatial = weight.dim() - 2
-    hwio_shape = [weight.shape[i] for i in geo.oihw_to_hwio(spatial)]
+    hwio_shape = [int(weight.shape[i]) for i in geo.oihw_to_hwio(spatial)]
     # HWIO -> HWOI, kernel dims in ``order``: one Transpose.
     perm = [geo.hwio_to_hwoi(spatial)[i] for i in _order_kernel(order, spatial)]
     hwoi_shape = [hwio_shape[i] for i in perm]
     hwoi = qnn_ops.native_tensor(visitor, name, hwoi_shape, weight.dtype, nodes_to_wrappers)
-    return WeightTensors(hwio, hwoi, qnn_ops.transpose(f"{name}_transpose", hwio, hwoi, perm))
+    return WeightTensors(
+        hwio, hwoi, [*ops, qnn_ops.transpose(f"{name}_transpose", hwio, hwoi, perm)]
+    )

@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration
+from .. import integration, signature
 from ..builders import conv_geometry as geo
 from .target import Target
 
@@ -206,7 +206,7 @@ def _quantized_by_metadata(node: torch.fx.Node) -> str | None:
 
 @rule
 def not_quantized(node, conv, target):
-    # Before static_weight: a quantized weight reaches the node through a
+    # Before weight_values: a quantized weight reaches the node through a
     # dequantize, which must be reported as quantization, not as a computed weight.
     found = _quantized_by_metadata(node)
     if found is None:
@@ -225,20 +225,31 @@ def not_quantized(node, conv, target):
 
 
 @rule
-def static_weight(node, conv, target):
+def weight_values(node, conv, target):
+    # A weight read at run time (a trainable parameter, a graph input, a computed
+    # tensor) serves grad_input through a Transpose; a filter that must be built
+    # from the weight's values (dilated, or grouped 3-D) needs a constant weight.
+    if not conv.output_mask[0]:
+        return None
+    own = geo.own_filter_reason(conv)
+    if own is None:
+        return None
     weight = _weight_node(node)
     if not integration.get("is_parameter")(weight, target.edge_program):
         kind = "graph input" if weight.op == "placeholder" else f"computed by {weight.op}"
         return _reject(
-            "weight is not a parameter, buffer or constant of the program",
-            f"weight={weight.name} is a {kind}",
+            f"{own}; its weight is read at run time", f"weight={weight.name} is a {kind}"
+        )
+    if signature.is_trainable_parameter(weight, target.edge_program):
+        return _reject(
+            f"{own}; its weight is trainable (read at run time)", f"weight={weight.name}"
         )
     return None
 
 
 @rule
 def float_operands(node, conv, target):
-    weight = integration.get("get_parameter")(_weight_node(node), target.edge_program)
+    weight = _weight_node(node).meta["val"]
     if weight.dtype not in FLOAT_DTYPES or conv.dtype not in FLOAT_DTYPES:
         return _reject(
             "operand dtype is not float32 or float16",

@@ -1,7 +1,11 @@
 """The plugin's to_edge transform pass: convolution_backward ready for partitioning.
 
-Three rewrites, in this order:
+Five rewrites, in this order:
 
+0. ``int64_constants.narrow_int64_scalar_tensors``: int64 scalar constants of
+   the integer tails (cross-entropy targets) become int32 like the rest;
+0. ``conv1d.unbake_trainable_weights``: forward 1-D convolutions read their
+   trainable weight, not the frozen copy executorch's CanonicalizeConv made;
 1. ``conv1d.lift_conv1d``: 1-D nodes become 2-D nodes with a unit height, those
    that go to QNN and those that stay on CPU (executorch's CPU kernel computes
    2-D nodes only);
@@ -23,7 +27,8 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from .. import integration
 from ..partition import support
 from ..partition.target import Target
-from .conv1d import ON_CPU, lift_conv1d
+from .conv1d import ON_CPU, lift_conv1d, unbake_trainable_weights
+from .int64_constants import narrow_int64_scalar_tensors
 from .shape_only_operands import replace_shape_only_operands
 from .split_gradients import split_input_gradient
 
@@ -85,7 +90,9 @@ class CanonicalizeConvolutionBackward(PassBase):
         )
         _remember_names(graph_module.graph)
         delegated = self._delegated(target)
-        changed = lift_conv1d(
+        changed = unbake_trainable_weights(graph_module, self.edge_program)
+        changed += narrow_int64_scalar_tensors(graph_module)
+        changed += lift_conv1d(
             graph_module,
             self.edge_program,
             delegated,

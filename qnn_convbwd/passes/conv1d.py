@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration
+from .. import integration, signature
 from ..builders import conv_geometry as geo
 from ..partition import support
 
@@ -79,6 +79,68 @@ def _register_weight(graph_module, weight_node, edge_program) -> torch.fx.Node:
     fake_mode = integration.get("detect_fake_mode")(weight_node.meta["val"])
     node.meta["val"] = fake_mode.fake_tensor_converter.from_real_tensor(fake_mode, value)
     return node
+
+
+def _bakeable(weight_node: torch.fx.Node, edge_program) -> bool:
+    """A weight whose values may become a new constant: frozen, and a constant."""
+    return integration.get("is_parameter")(
+        weight_node, edge_program
+    ) and not signature.is_trainable_parameter(weight_node, edge_program)
+
+
+def unbake_trainable_weights(graph_module: torch.fx.GraphModule, edge_program) -> int:
+    """Forward 1-D convolutions read their trainable weight again, not a frozen copy.
+
+    executorch's CanonicalizeConv turns a 1-D convolution into a 2-D one and
+    gives it a new constant holding the weight with a unit height, also when
+    the weight is trainable: the delegate would then compute the forward pass
+    with the initial weight forever. The copy is found by its value (as in
+    ``_forward_weight``) and replaced by ``unsqueeze_copy`` of the parameter,
+    read at run time. Two trainable weights of equal value leave it ambiguous
+    which one the copy came from: that fails loudly.
+    """
+    trainable = signature.trainable_placeholders(edge_program)
+    if edge_program is None or not trainable:
+        return 0
+    conv = integration.get("ops").edge.aten.convolution.default
+    ops = integration.get("ops").edge.aten
+    replaced = 0
+    for node in list(graph_module.graph.nodes):
+        if node.op != "call_function" or node.target != conv:
+            continue
+        weight = node.args[1]
+        if not isinstance(weight, torch.fx.Node) or weight.op != "get_attr":
+            continue
+        buffer = getattr(graph_module, weight.target, None)
+        if not isinstance(buffer, torch.Tensor) or buffer.dim() != 4 or buffer.shape[2] != 1:
+            continue
+        sources = [
+            p
+            for p in trainable
+            if tuple(p.meta["val"].shape) == (buffer.shape[0], buffer.shape[1], buffer.shape[3])
+            and torch.equal(integration.get("get_parameter")(p, edge_program).unsqueeze(2), buffer)
+        ]
+        if not sources:
+            continue
+        if len(sources) > 1:
+            raise ValueError(
+                f"{node.name}: its 1-D weight copy equals several trainable parameters "
+                f"({[p.name for p in sources]}); cannot tell which one it reads"
+            )
+        with graph_module.graph.inserting_before(node):
+            lifted = _call(
+                graph_module.graph,
+                ops.unsqueeze_copy.default,
+                (sources[0], 2),
+                sources[0].meta["val"].unsqueeze(2),
+                sources[0],
+            )
+        node.replace_input_with(weight, lifted)
+        replaced += 1
+    if replaced:
+        graph_module.graph.eliminate_dead_code()
+        graph_module.recompile()
+    return replaced
 
 
 def _call(graph, target, args, value, like: torch.fx.Node):
@@ -148,10 +210,13 @@ def lift_conv1d(
             x4 = reshapes.unsqueeze(graph, inp, node)
             if on_cpu:
                 weight4 = reshapes.unsqueeze(graph, weight, node)
-        if not on_cpu:
+        if not on_cpu and _bakeable(weight, edge_program):
             weight4 = _forward_weight(graph_module, weight, edge_program) or _register_weight(
                 graph_module, weight, edge_program
             )
+        elif not on_cpu:  # read at run time: the unit height is added in the graph
+            with graph.inserting_before(node):
+                weight4 = reshapes.unsqueeze(graph, weight, node)
         if on_cpu:
             node.meta[support.PINNED] = decide(node)
             node.meta[ON_CPU] = node.name

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration
+from .. import integration, nodes
 from ..builders import conv_geometry as geo
 
 
@@ -38,8 +38,19 @@ def is_weight_side_output(node) -> bool:
     )
 
 
+def is_filter_input(node) -> bool:
+    """A graph input read only as a convolution weight or bias (a trainable parameter
+    inside a delegate, or a weight the user feeds): it stays in torch's layout, and
+    the visitors permute it into the QNN filter layout themselves."""
+    return (
+        isinstance(node, torch.fx.Node)
+        and node.op == "placeholder"
+        and nodes.filter_operand_uses(node)
+    )
+
+
 def is_edge_condition(original: Callable, pass_, node) -> bool:
-    return is_weight_side_output(node) or original(node)
+    return is_weight_side_output(node) or is_filter_input(node) or original(node)
 
 
 def mark_as_transformed(original: Callable, pass_, node) -> None:

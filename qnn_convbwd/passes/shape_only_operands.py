@@ -3,7 +3,10 @@
 Two ops in training graphs read a tensor only for its shape:
 
 * ``full_like(loss, 1)``, the seed of the backward pass;
-* ``convolution_backward``'s ``input`` when only grad_input is asked for.
+* ``convolution_backward``'s ``input`` when only grad_input is asked for, and
+  its ``weight`` when grad_input is not asked for (a grad_weight / grad_bias
+  half after the split). A trainable weight is a delegate input, so a partition
+  holding only the grad_weight half would otherwise declare it unread.
 
 Left as they are, a partition that holds the op but not the producer declares
 an input the QNN graph never reads, and executorch rejects the lowering
@@ -75,16 +78,26 @@ def replace_shape_only_operands(
             graph.erase_node(node)
             replaced += 1
         elif node.target == ops.convolution_backward.default:
-            source = node.args[geo.INPUT]
             mask = node.args[geo.OUTPUT_MASK]
-            if mask[1] or not _static(source.meta.get("val")) or not delegated(node):
-                continue
-            if source.target == ops.full.default:
-                continue
-            full = _insert_full(graph, node, source.meta["val"], 0.0, f"{node.name}_input_shape")
-            full.meta[SHAPE_OF] = node.name
-            node.replace_input_with(source, full)
-            replaced += 1
+            # (operand, read only for its shape): input without grad_weight, weight
+            # without grad_input.
+            for index, shape_only, role in (
+                (geo.INPUT, not mask[1], "input"),
+                (geo.WEIGHT, not mask[0], "weight"),
+            ):
+                source = node.args[index]
+                if not shape_only or not isinstance(source, torch.fx.Node):
+                    continue
+                if not _static(source.meta.get("val")) or source.target == ops.full.default:
+                    continue
+                if not delegated(node):
+                    break
+                full = _insert_full(
+                    graph, node, source.meta["val"], 0.0, f"{node.name}_{role}_shape"
+                )
+                full.meta[SHAPE_OF] = node.name
+                node.replace_input_with(source, full)
+                replaced += 1
     if replaced:
         graph_module.recompile()
         logger.debug("replaced %d shape-only operands by full", replaced)

@@ -1,0 +1,114 @@
+"""Weights and biases the QNN graph reads at run time instead of as static tensors.
+
+A convolution's weight is read at run time when it is not a constant of the
+program being compiled: a trainable parameter (``qnn_convbwd.signature``: the
+partitioner keeps those top-level, so inside the delegate they are graph
+inputs), or any other tensor a user feeds or a node computes. Such a weight
+enters the QNN graph in torch's layout (``OIHW``, or ``IOHW`` for a transposed
+convolution) and one Transpose makes the ``HWIO`` filter the Conv ops take.
+That HWIO tensor is cached by name, so the forward convolution and the
+backward ops of the same weight read one tensor and the Transpose is built
+once per graph (by whichever reader is built first).
+
+While executorch's partitioner validates ops, the program is the top-level
+one, where a trainable weight is still a parameter: it is declared here as an
+input tensor without data, so validation sees the graph the compiler will get.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .. import integration, signature
+from . import conv_geometry as geo
+from . import qnn_ops
+
+
+def reads_at_run_time(visitor, node: object) -> bool:
+    """Whether ``node`` (a weight or bias operand) is not a static tensor of the QNN graph."""
+    if not isinstance(node, torch.fx.Node):
+        return False
+    if not integration.get("is_parameter")(node, visitor.edge_program):
+        return True
+    return signature.is_trainable_parameter(node, visitor.edge_program)
+
+
+def _physical_order(node: torch.fx.Node) -> tuple[int, ...]:
+    """Torch dims of ``node``'s value in the order its QNN tensor holds them."""
+    value = node.meta["val"]
+    if node.meta.get(integration.get("QCOM_INSERTED_PERMUTE")):
+        # A permute executorch's LayoutTransform put in front of a layout-sensitive
+        # op: its value keeps the unpermuted shape, its output is permuted.
+        return tuple(node.args[1])
+    order = node.meta.get(integration.get("QCOM_AXIS_ORDER"))
+    if order is None or value.dim() <= 1:
+        return tuple(range(value.dim()))
+    return tuple(order)
+
+
+def runtime_tensor(visitor, node: torch.fx.Node, build_node: torch.fx.Node, nodes_to_wrappers):
+    """The QNN tensor of a run-time operand, and the torch dims it holds in order."""
+    value = node.meta["val"]
+    order = _physical_order(node)
+    physical = [int(value.shape[i]) for i in order] or [1]
+    if integration.get("is_parameter")(node, visitor.edge_program):
+        # A trainable parameter while the partitioner validates: the compiled graph
+        # gets it as an input, so declare it as one (no data).
+        wrapper = visitor.define_custom_tensor_wrapper(
+            node_name=node.name,
+            tensor_type=qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_APP_WRITE,
+            dtype=integration.get("QNN_TENSOR_TYPE_MAP")[value.dtype],
+            quant_encoding=qnn_ops.adaptor_enum(
+                "Qnn_QuantizationEncoding_t"
+            ).QNN_QUANTIZATION_ENCODING_UNDEFINED,
+            quant_configs={},
+            dims=torch.Size(physical),
+            tensor=None,
+            is_fake_tensor=True,
+            nodes_to_wrappers=nodes_to_wrappers,
+        )
+        return wrapper, order
+    native = qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
+    shaped = value.permute(order) if value.dim() > 1 else value
+    return visitor.define_tensor(node, build_node, shaped, native, nodes_to_wrappers), order
+
+
+def filter_name(weight_node: torch.fx.Node, filter_order: Sequence[int]) -> str:
+    return f"{weight_node.name}_convbwd_filter_{''.join(map(str, filter_order))}"
+
+
+def runtime_filter(
+    visitor,
+    weight_node: torch.fx.Node,
+    build_node: torch.fx.Node,
+    filter_order: Sequence[int],
+    nodes_to_wrappers,
+) -> tuple[list, object]:
+    """``(ops, filter)``: the run-time weight permuted to ``filter_order`` (torch dims).
+
+    ``filter_order`` is ``geo.oihw_to_hwio(spatial)`` for a convolution's HWIO
+    filter. The filter is cached under ``filter_name``; ops is empty when an
+    earlier reader built it.
+    """
+    name = filter_name(weight_node, filter_order)
+    cached = nodes_to_wrappers.get(name, {}).get(0)
+    if cached is not None:
+        return [], cached
+    source, order = runtime_tensor(visitor, weight_node, build_node, nodes_to_wrappers)
+    value = weight_node.meta["val"]
+    perm = [order.index(dim) for dim in filter_order]
+    shape = [int(value.shape[dim]) for dim in filter_order]
+    result = qnn_ops.native_tensor(visitor, name, shape, value.dtype, nodes_to_wrappers)
+    if perm == sorted(perm):
+        return [qnn_ops.reshape(f"{name}_op", source, result)], result
+    return [qnn_ops.transpose(f"{name}_op", source, result, perm)], result
+
+
+def runtime_hwio(visitor, weight_node, build_node, nodes_to_wrappers) -> tuple[list, object]:
+    """``(ops, HWIO filter)`` of a convolution weight read at run time."""
+    spatial = weight_node.meta["val"].dim() - 2
+    return runtime_filter(
+        visitor, weight_node, build_node, geo.oihw_to_hwio(spatial), nodes_to_wrappers
+    )

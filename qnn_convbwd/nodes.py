@@ -1,0 +1,58 @@
+"""What kind of node this is: one helper per node kind the plugin looks for."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from . import integration
+
+# Operand positions (aten.convolution and aten.convolution_backward schemas).
+CONV_WEIGHT, CONV_BIAS = 1, 2
+CONV_BWD_WEIGHT = 2
+
+
+def _edge_aten():
+    return integration.get("ops").edge.aten
+
+
+def is_call(node: object, *targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def is_convolution(node: object) -> bool:
+    """An edge-dialect forward ``aten.convolution``."""
+    return is_call(node, _edge_aten().convolution.default)
+
+
+def is_conv_bwd(node: object) -> bool:
+    """An edge-dialect or ATen ``convolution_backward``."""
+    return is_call(
+        node,
+        _edge_aten().convolution_backward.default,
+        torch.ops.aten.convolution_backward.default,
+    )
+
+
+def is_getitem_of(node: object, predicate) -> bool:
+    return (
+        is_call(node, operator.getitem)
+        and isinstance(node.args[0], torch.fx.Node)
+        and predicate(node.args[0])
+    )
+
+
+def filter_operand_uses(node: torch.fx.Node) -> bool:
+    """Every use of ``node`` is as a convolution's weight or bias, or a
+    convolution_backward's weight: a tensor in torch's layout, never an activation."""
+    uses = []
+    for user in node.users:
+        for index, arg in enumerate(user.args):
+            if arg is node:
+                uses.append((user, index))
+    return bool(uses) and all(
+        (is_convolution(user) and index in (CONV_WEIGHT, CONV_BIAS))
+        or (is_conv_bwd(user) and index == CONV_BWD_WEIGHT)
+        for user, index in uses
+    )

@@ -1,0 +1,45 @@
+"""What a joint program's signature says about its parameters.
+
+A joint forward-backward program (``torch.export.experimental._export_forward_backward``)
+returns one ``GRADIENT_TO_PARAMETER`` output per trainable parameter. Those
+parameters must stay top-level tensors of the lowered program: ExecuTorch's
+training runtime hands them to the optimizer, which updates them in place, and
+the delegate must read them at run time (a static copy inside a QNN context
+would never see an update). Everything else the program reads as a parameter,
+buffer or constant is frozen and may be baked into the delegate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export.graph_signature import OutputKind
+
+
+def trainable_parameters(program: torch.export.ExportedProgram) -> set[str]:
+    """Fully qualified names of the parameters the program returns a gradient for."""
+    return {
+        spec.target
+        for spec in program.graph_signature.output_specs
+        if spec.kind == OutputKind.GRADIENT_TO_PARAMETER and spec.target is not None
+    }
+
+
+def trainable_placeholders(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    """Placeholders of the program's trainable parameters, in graph order."""
+    trainable = trainable_parameters(program)
+    if not trainable:
+        return []
+    to_parameter = program.graph_signature.inputs_to_parameters
+    return [
+        node
+        for node in program.graph.nodes
+        if node.op == "placeholder" and to_parameter.get(node.name) in trainable
+    ]
+
+
+def is_trainable_parameter(node: object, program: torch.export.ExportedProgram) -> bool:
+    """``node`` is the placeholder of a parameter ``program`` returns a gradient for."""
+    if not isinstance(node, torch.fx.Node) or node.op != "placeholder":
+        return False
+    fqn = program.graph_signature.inputs_to_parameters.get(node.name)
+    return fqn is not None and fqn in trainable_parameters(program)

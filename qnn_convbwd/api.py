@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import integration, options, signature
+from . import delegate_io, integration, options, signature
 from .builders import conv_geometry as geo
 from .partition import cpu_kernel, support, trainable
 from .partition.target import Target
@@ -202,6 +202,7 @@ def _hooks() -> integration.Hooks:
     hooks.preserve_output_dtypes = preserve_output_dtypes
     hooks.conv_define = define_convolution
     hooks.after_partition = _after_partition
+    hooks.after_build = delegate_io.check_output_order
     return hooks
 
 

@@ -262,6 +262,9 @@ class Hooks:
     conv_define: Callable[[Callable[[], Any], Any, Any, Any], Any] | None = None
     # Called after QnnPartitioner.partition has tagged the program (edge_program).
     after_partition: Callable[[Any], None] | None = None
+    # Called with (edge_program, graph output names in QNN's order) after executorch
+    # built a delegate's QNN ops, before they are compiled.
+    after_build: Callable[[Any, list[str]], None] | None = None
 
 
 # executorch's visitor of the forward convolution, wrapped when conv_define is set.
@@ -371,6 +374,18 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
         p.set_attr(partitioner_cls, "partition", partition)
 
+    if hooks.after_build is not None:
+        backend = importlib.import_module(f"{_QC}.qnn_preprocess").QnnBackend
+        orig_build = backend.__dict__["_build_op_wrappers"].__func__
+
+        def build(edge_program, *args, **kwargs):
+            wrappers = orig_build(edge_program, *args, **kwargs)
+            if isinstance(wrappers, list):
+                hooks.after_build(edge_program, qnn_output_names(wrappers))
+            return wrappers
+
+        p.set_attr(backend, "_build_op_wrappers", staticmethod(build))
+
     pm_cls = importlib.import_module(f"{_QC}._passes.qnn_pass_manager").QnnPassManager
     orig_activations = pm_cls.get_default_pass_activations.__func__
     orig_deps = pm_cls.get_passes_dependency_for_capture_program.__func__
@@ -455,6 +470,18 @@ def _tensor_info(tensor: Any) -> QnnTensorInfo:
     for d in dims:
         count *= d
     return QnnTensorInfo(str(v2.name), v2.type.name, dims, count * width)
+
+
+def qnn_output_names(wrappers: list) -> list[str]:
+    """Names of the graph outputs (``output_`` tensors) in the order the ops build them."""
+    names: list[str] = []
+    for wrapper in wrappers:
+        config = wrapper.GetOpWrapper().GetOpConfig()
+        for tensor in config["outputTensors"]:
+            name = _tensor_info(tensor).name
+            if name.startswith("output_") and name not in names:
+                names.append(name)
+    return names
 
 
 @contextlib.contextmanager

@@ -1,7 +1,10 @@
 """The plugin's to_edge transform pass: convolution_backward ready for partitioning.
 
-Five rewrites, in this order:
+Six rewrites, in this order:
 
+0. ``consecutive_permutes.fold_consecutive_permutes``: permute pairs (a linear
+   layer's weight gradient) folded where the outer one stands, so QNN lists
+   the delegate's outputs in the order of its signature;
 0. ``int64_constants.narrow_int64_scalar_tensors``: int64 scalar constants of
    the integer tails (cross-entropy targets) become int32 like the rest;
 0. ``conv1d.unbake_trainable_weights``: forward 1-D convolutions read their
@@ -27,6 +30,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from .. import integration
 from ..partition import support
 from ..partition.target import Target
+from .consecutive_permutes import fold_consecutive_permutes
 from .conv1d import ON_CPU, lift_conv1d, unbake_trainable_weights
 from .int64_constants import narrow_int64_scalar_tensors
 from .shape_only_operands import replace_shape_only_operands
@@ -92,6 +96,7 @@ class CanonicalizeConvolutionBackward(PassBase):
         delegated = self._delegated(target)
         changed = unbake_trainable_weights(graph_module, self.edge_program)
         changed += narrow_int64_scalar_tensors(graph_module)
+        changed += fold_consecutive_permutes(graph_module)
         changed += lift_conv1d(
             graph_module,
             self.edge_program,

@@ -217,3 +217,84 @@ def audio1d_graph(
         f"{'' if relu else '-linear'}-{loss}"
     )
     return TrainingGraph(name, model, (x, target), joint)
+
+
+# --- classifiers trained with cross-entropy (ExecuTorch's CIFAR example) -----------------
+
+
+class CrossEntropyTraining(nn.Module):
+    """``forward(x, labels)`` returns the cross-entropy loss of ``classifier(adapter(x))``.
+
+    ``adapter`` is a trainable 1x1 convolution (near the identity) in front of
+    the classifier when given: the frozen-backbone scheme.
+    """
+
+    def __init__(self, classifier: nn.Module, adapter: nn.Module | None = None) -> None:
+        super().__init__()
+        self.adapter = adapter
+        self.classifier = classifier
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.adapter is not None:
+            x = self.adapter(x)
+        return nn.functional.cross_entropy(self.classifier(x), labels)
+
+
+def identity_adapter(channels: int, generator: torch.Generator) -> nn.Conv2d:
+    """A 1x1 convolution close to the identity (so a frozen backbone sees its usual input)."""
+    adapter = nn.Conv2d(channels, channels, 1)
+    with torch.no_grad():
+        noise = 0.05 * torch.randn(channels, channels, 1, 1, generator=generator)
+        adapter.weight.copy_(torch.eye(channels).view(channels, channels, 1, 1) + noise)
+        adapter.bias.zero_()
+    return adapter
+
+
+@dataclasses.dataclass
+class TrainingCase:
+    name: str
+    model: nn.Module  # forward(*inputs) -> loss
+    inputs: tuple[torch.Tensor, ...]
+
+    def joint(self) -> torch.export.ExportedProgram:
+        from .training import export_joint
+
+        return export_joint(self.model, self.inputs)
+
+
+def cifar_case(trainable: bool, batch: int = 4, size: int = 32, seed: int = 0) -> TrainingCase:
+    """ExecuTorch's own CIFAR-10 example model (dropout off), cross-entropy loss.
+
+    ``trainable=False``: ``features`` frozen behind a trainable 1x1 adapter, the
+    classifier head trainable.
+    """
+    from executorch.extension.training.examples.CIFAR.model import CIFAR10Model
+
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    net = CIFAR10Model().eval()  # eval: dropout off, for a deterministic step
+    adapter = None
+    if not trainable:
+        net.features.requires_grad_(False)
+        adapter = identity_adapter(3, generator)
+    model = CrossEntropyTraining(net, adapter)
+    x = torch.randn(batch, 3, size, size, generator=generator)
+    labels = torch.randint(0, 10, (batch,), generator=generator)
+    scheme = "trainable" if trainable else "frozen"
+    return TrainingCase(f"cifar-{size}px-{scheme}", model, (x, labels))
+
+
+def adapter_case(
+    backbone: str = "demo", trainable: bool = False, size: int = 15, **kwargs
+) -> TrainingCase:
+    """The MSE reference models of ``training_graph`` as a TrainingCase."""
+    graph = training_graph(backbone, size=size, trainable_backbone=trainable, **kwargs)
+    return TrainingCase(graph.name, graph.model, graph.inputs)
+
+
+TRAINING_MODELS: dict[str, Callable[..., TrainingCase]] = {
+    "cifar": lambda trainable, **kw: cifar_case(trainable, **kw),
+    "demo": lambda trainable, **kw: adapter_case("demo", trainable, **kw),
+    "resnet": lambda trainable, **kw: adapter_case("resnet", trainable, size=16, **kw),
+    "mobilenet": lambda trainable, **kw: adapter_case("mobilenet", trainable, size=16, **kw),
+}

@@ -24,15 +24,21 @@ def trainable_parameters(program: torch.export.ExportedProgram) -> set[str]:
     }
 
 
-def trainable_placeholders(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
-    """Placeholders of the program's trainable parameters, in graph order."""
+def trainable_placeholders(
+    program: torch.export.ExportedProgram, graph: torch.fx.Graph | None = None
+) -> list[torch.fx.Node]:
+    """Placeholders of the program's trainable parameters, in graph order.
+
+    ``graph``: the graph a pass is rewriting, when it is not ``program.graph``
+    itself (placeholders are matched by name, as the signature names them).
+    """
     trainable = trainable_parameters(program)
     if not trainable:
         return []
     to_parameter = program.graph_signature.inputs_to_parameters
     return [
         node
-        for node in program.graph.nodes
+        for node in (program.graph if graph is None else graph).nodes
         if node.op == "placeholder" and to_parameter.get(node.name) in trainable
     ]
 

@@ -37,13 +37,24 @@ def export_joint(module: torch.nn.Module, inputs: tuple) -> torch.export.Exporte
 class TrainingSession:
     """A program loaded by ``TrainingModule``, with ExecuTorch's SGD optimizer."""
 
-    def __init__(self, pte: bytes, lr: float, momentum: float = 0.0, weight_decay: float = 0.0):
-        from executorch.extension.training import (
-            _load_for_executorch_for_training_from_buffer,
+    def __init__(
+        self,
+        pte: bytes,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        ptd: bytes | None = None,
+    ):
+        """``ptd``: the tensor data file of a program exported with external weights
+        (``ExecutorchBackendConfig(external_mutable_weights=True, ...)``)."""
+        from executorch.extension.pybindings.portable_lib import (
+            _load_for_executorch_from_buffer,
         )
+        from executorch.extension.training import TrainingModule
 
-        self.pte = bytes(pte)  # the runtime reads this buffer while the module runs
-        self.module = _load_for_executorch_for_training_from_buffer(self.pte)
+        # The runtime reads these buffers while the module runs: keep them alive.
+        self.pte, self.ptd = bytes(pte), None if ptd is None else bytes(ptd)
+        self.module = TrainingModule(_load_for_executorch_from_buffer(self.pte, self.ptd))
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self._optimizer = None
 
@@ -109,6 +120,7 @@ def train_side_by_side(
     steps: int,
     lr: float,
     on_step=None,
+    ptd: bytes | None = None,
 ) -> TrainingRun:
     """``steps`` SGD steps of the program and of torch eager from the same weights.
 
@@ -116,7 +128,7 @@ def train_side_by_side(
     the caller's model is untouched. ``on_step(index, record)`` is called after
     every step (progress reporting).
     """
-    session = TrainingSession(pte, lr)
+    session = TrainingSession(pte, lr, ptd=ptd)
     reference = copy.deepcopy(model)
     trainable = {n: p for n, p in reference.named_parameters() if p.requires_grad}
     optimizer = torch.optim.SGD(list(trainable.values()), lr=lr)
@@ -132,7 +144,7 @@ def train_side_by_side(
             reference_loss = reference_loss[0]
         reference_loss.backward()
         optimizer.step()
-        record = StepRecord(loss, float(reference_loss), seconds)
+        record = StepRecord(loss, float(reference_loss.detach()), seconds)
         records.append(record)
         if on_step is not None:
             on_step(index, record)

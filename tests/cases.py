@@ -363,7 +363,16 @@ CASES: tuple[Case, ...] = (
         cpu_kernel_refuses=_ONLY_2D,
     ),
     # Operands.
-    Case("weight_input", dataclasses.replace(_BASE, weight_as="input"), "static_weight", None),
+    # A weight the program reads at run time (a graph input here; a trainable
+    # parameter in a joint graph) reaches grad_input through a Transpose...
+    Case("weight_input", dataclasses.replace(_BASE, weight_as="input"), None, _2D),
+    # ...but a filter built from the weight's values (dilated) needs a constant weight.
+    Case(
+        "dilated_weight_input",
+        dataclasses.replace(_BASE, dilation=(2, 2), padding=(2, 2), weight_as="input"),
+        "weight_values",
+        None,
+    ),
     Case("float16", dataclasses.replace(_BASE, dtype=torch.float16), None, _2D),
     Case("float64", dataclasses.replace(_BASE, dtype=torch.float64), "float_operands", None),
     Case("bfloat16", dataclasses.replace(_BASE, dtype=torch.bfloat16), "float_operands", None),
@@ -387,8 +396,8 @@ CASES: tuple[Case, ...] = (
     Case(
         "conv1d_weight_input",
         dataclasses.replace(_1D, output_mask=(True, True, False), weight_as="input"),
-        "static_weight",
         None,
+        frozenset({"grad_input", "grad_weight", "conv1d"}),
     ),
     Case(
         "conv1d_transposed",

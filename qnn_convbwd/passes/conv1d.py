@@ -99,8 +99,10 @@ def unbake_trainable_weights(graph_module: torch.fx.GraphModule, edge_program) -
     read at run time. Two trainable weights of equal value leave it ambiguous
     which one the copy came from: that fails loudly.
     """
-    trainable = signature.trainable_placeholders(edge_program)
-    if edge_program is None or not trainable:
+    if edge_program is None:
+        return 0
+    trainable = signature.trainable_placeholders(edge_program, graph_module.graph)
+    if not trainable:
         return 0
     conv = integration.get("ops").edge.aten.convolution.default
     ops = integration.get("ops").edge.aten

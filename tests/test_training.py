@@ -1,0 +1,194 @@
+"""Training through ExecuTorch's training runtime on the HTP simulator.
+
+The lowered joint program is loaded by ``TrainingModule``; ExecuTorch's SGD
+optimizer updates its parameters in place, and every following step must
+compute with the updated values on the HTP. Each test runs several steps next
+to torch eager + ``torch.optim.SGD`` from the same weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qnn_convbwd
+from qnn_convbwd import integration, models, training
+from qnn_convbwd.toolchain import harness, saver
+
+pytestmark = pytest.mark.htp
+
+SOC = "SM8650"
+STEPS = 5
+LR = 0.1
+
+
+def lower(case: models.TrainingCase, soc: str = SOC):
+    with integration.capture_qnn_graphs() as graphs:
+        result = qnn_convbwd.lower(case.joint(), harness.compile_specs(soc))
+    return result, graphs
+
+
+def assert_trains_like_torch(run: training.TrainingRun) -> None:
+    for index, step in enumerate(run.steps):
+        gap = abs(step.loss - step.reference_loss)
+        assert gap <= 3e-2 * max(1.0, abs(step.reference_loss)), (index, step)
+    assert run.update_cosine() >= 0.98, run.update_cosine()
+    assert 0.8 <= run.update_norm_ratio() <= 1.25, run.update_norm_ratio()
+
+
+def delegate_inputs(edge) -> list[str]:
+    graph = edge.exported_program().graph
+    calls = [n for n in graph.nodes if "executorch_call_delegate" in str(n.target)]
+    return [a.name for call in calls for a in call.args[1:] if isinstance(a, torch.fx.Node)]
+
+
+@pytest.fixture(scope="module", params=["frozen", "trainable"])
+def demo(request, qnn_sdk):
+    case = models.adapter_case("demo", trainable=request.param == "trainable")
+    result, graphs = lower(case)
+    program = result.edge.to_executorch()
+    return case, result, graphs, program.buffer
+
+
+def test_trainable_parameters_are_delegate_inputs(demo):
+    case, result, graphs, _ = demo
+    trainable = {n for n, p in case.model.named_parameters() if p.requires_grad}
+    frozen = {n for n, p in case.model.named_parameters() if not p.requires_grad}
+    inputs = delegate_inputs(result.edge)
+    placeholder = {name: "p_" + name.replace(".", "_") for name in trainable | frozen}
+    assert {placeholder[n] for n in trainable} <= set(inputs)
+    assert not {placeholder[n] for n in frozen} & set(inputs)
+    # Inside the QNN graph a trainable tensor is an input the app writes, never static.
+    tensors = {t.name: t for ops in graphs for op in ops for t in (*op.inputs, *op.outputs)}
+    for name in trainable:
+        matching = [t for t in tensors.values() if t.name.endswith(placeholder[name] + "@0")]
+        assert matching and all(t.kind.endswith("APP_WRITE") for t in matching), name
+        assert not any(placeholder[name] in t.name and t.is_static for t in tensors.values())
+
+
+def test_training_metadata_methods(demo):
+    _, _, _, pte = demo
+    session = training.TrainingSession(pte, LR)
+    module = session.module.model
+    grads_at = module.run_method("__et_training_gradients_index_forward", ())[0]
+    params_at = module.run_method("__et_training_parameters_index_forward", ())[0]
+    names = module.run_method("__et_training_fqn_forward", ())
+    assert 1 <= grads_at < params_at
+    assert params_at - grads_at == len(names)
+
+
+def test_demo_trains_like_torch(demo):
+    case, _, _, pte = demo
+    run = training.train_side_by_side(pte, case.model, case.inputs, STEPS, LR)
+    assert_trains_like_torch(run)
+    # The optimizer reached every trainable tensor, and each moved as torch's did.
+    for name, (ours, theirs) in run.updates.items():
+        assert ours.norm() > 0, name
+        cosine = torch.nn.functional.cosine_similarity(ours.flatten(), theirs.flatten(), dim=0)
+        assert cosine >= 0.98, (name, float(cosine))
+
+
+def test_frozen_weight_static_and_stored_once(qnn_sdk):
+    """Saver record of the frozen-backbone demo: the adapter (trainable) is a graph input,
+    each frozen convolution weight one static tensor."""
+    case = models.adapter_case("demo", trainable=False)
+    graph = saver.record(case.joint(), SOC)
+    names = [t.name for t in graph.tensors.values()]
+    adapter = [n for n in names if "p_adapter_weight" in n]
+    assert adapter and all(graph.tensors[n].type != "STATIC" for n in adapter), adapter
+    frozen = {
+        n: p for n, p in case.model.named_parameters() if not p.requires_grad and p.dim() == 4
+    }
+    assert frozen
+    for name, value in frozen.items():
+        placeholder = "p_" + name.replace(".", "_")
+        count = sum(
+            1
+            for t in graph.static_inputs()
+            if t.data is not None and t.numel >= value.numel() and placeholder in t.name
+        )
+        assert count == 1, (name, count)
+
+
+CNN_CE = [
+    pytest.param(True, id="trainable"),
+    pytest.param(False, id="frozen-features"),
+]
+
+
+def strided_cifar(trainable: bool) -> models.TrainingCase:
+    """ExecuTorch's CIFAR model with its 2x2 max pools replaced by stride-2 convolutions."""
+    case = models.cifar_case(trainable)
+    features = case.model.classifier.features
+    for index in (2, 5, 8):
+        features[index] = torch.nn.Identity()
+        features[index - 2].stride = (2, 2)
+    return case
+
+
+@pytest.mark.parametrize("trainable", CNN_CE)
+def test_cross_entropy_cnn_trains_like_torch(trainable, qnn_sdk):
+    """Conv + linear layers with biases, cross-entropy with int64 labels, batch 4, 32x32."""
+    case = strided_cifar(trainable)
+    result, _ = lower(case)
+    assert result.report.delegated == len(result.report.rows)
+    run = training.train_side_by_side(
+        result.edge.to_executorch().buffer, case.model, case.inputs, STEPS, 0.05
+    )
+    assert_trains_like_torch(run)
+
+
+def test_external_weights_program_trains(qnn_sdk):
+    """``external_mutable_weights`` + ``external_constants``: the trained weights live in
+    the .ptd beside the program, as in ExecuTorch's CIFAR example."""
+    from executorch.exir import ExecutorchBackendConfig
+
+    case = models.adapter_case("demo", trainable=True)
+    result, _ = lower(case)
+    program = result.edge.to_executorch(
+        ExecutorchBackendConfig(external_mutable_weights=True, external_constants=True)
+    )
+    data = program._tensor_data
+    assert data, "no external tensor data"
+    (ptd,) = [bytes(blob) for blob in _serialized_tensor_data(program)]
+    run = training.train_side_by_side(program.buffer, case.model, case.inputs, STEPS, LR, ptd=ptd)
+    assert_trains_like_torch(run)
+
+
+def _serialized_tensor_data(program, tmp=None):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        program.write_tensor_data_to_file(folder)
+        files = sorted(Path(folder).glob("*.ptd"))
+        return [f.read_bytes() for f in files]
+
+
+def test_audio1d_fully_trainable_trains(qnn_sdk):
+    """1-D: executorch's CanonicalizeConv bakes a copy of a 1-D weight; the plugin reads
+    the trainable parameter instead. The dilated, grouped node stays on CPU (with why)."""
+    graph = models.audio1d_graph(trainable_backbone=True)
+    result = qnn_convbwd.lower(graph.program, harness.compile_specs(SOC))
+    kept = [r for r in result.report.rows if not r.delegated]
+    assert len(kept) == 1 and "trainable" in kept[0].reason, kept
+    run = training.train_side_by_side(
+        result.edge.to_executorch().buffer, graph.model, graph.inputs, STEPS, LR
+    )
+    assert_trains_like_torch(run)
+
+
+def test_cross_entropy_to_executorch_without_convolution(qnn_sdk):
+    """int64 constants of the loss (ignore_index) kept on CPU keep their dtype."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(48, 10))
+    case = models.TrainingCase(
+        "linear-ce",
+        models.CrossEntropyTraining(net),
+        (torch.randn(4, 3, 4, 4), torch.randint(0, 10, (4,))),
+    )
+    result, _ = lower(case)
+    run = training.train_side_by_side(
+        result.edge.to_executorch().buffer, case.model, case.inputs, 3, LR
+    )
+    assert_trains_like_torch(run)

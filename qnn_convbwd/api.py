@@ -18,6 +18,7 @@ from .builders import conv_geometry as geo
 from .partition import cpu_kernel, support
 from .partition.target import Target
 from .passes import layout, preserve_output_dtypes, record_output_dtypes
+from .passes.batch_norm import StableBatchNorm
 from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
 from .passes.conv1d import ON_CPU
 from .passes.shape_only_operands import SHAPE_OF
@@ -179,6 +180,7 @@ def _hooks() -> integration.Hooks:
     hooks.on_support_init = _on_support_init
     hooks.is_node_supported = _is_node_supported
     hooks.transform_pass = CanonicalizeConvolutionBackward
+    hooks.extra_transform_passes = (StableBatchNorm,)
     hooks.layout_edge_condition = layout.is_edge_condition
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes

@@ -31,18 +31,27 @@ STRIDE_MODES = ("zero_insert", "parameter")
 #   "transpose_conv" keeps static filters and stores the weight twice.
 INPUT_GRADIENT_FORMULATIONS = ("runtime_weight", "transpose_conv")
 
+# How eval-mode batch norm (aten._native_batch_norm_legit_no_training) is lowered:
+#   "decompose"  passes.batch_norm: (x - mean) * scale + b with the node's epsilon;
+#   "executorch" executorch's QNN Batchnorm visitor, whose epsilon is hard-coded
+#                to 1e-9 (wrong for channels with a small running variance;
+#                docs/numerics.md).
+BATCH_NORM_MODES = ("decompose", "executorch")
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     output_padding: str = "auto"
     stride: str = "zero_insert"
     input_gradient: str = "runtime_weight"
+    batch_norm: str = "decompose"
 
     def __post_init__(self) -> None:
         for field, choices in (
             ("output_padding", OUTPUT_PADDING_MODES),
             ("stride", STRIDE_MODES),
             ("input_gradient", INPUT_GRADIENT_FORMULATIONS),
+            ("batch_norm", BATCH_NORM_MODES),
         ):
             value = getattr(self, field)
             if value not in choices:

@@ -156,22 +156,35 @@ def output_names(joint: torch.export.ExportedProgram) -> list[str]:
 
 
 def fp16_reference(
-    model: torch.nn.Module, inputs: Sequence[torch.Tensor], joint: torch.export.ExportedProgram
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    joint: torch.export.ExportedProgram,
+    loss_scale: float = 1.0,
 ) -> list[torch.Tensor]:
     """Torch's own float16 training step (CPU autograd on a float16 copy), as float32.
 
     The model and the floating-point inputs are copied to float16 (including
     batch-norm statistics and other buffers); the outputs are in the joint
-    program's output order, like ``models.autograd_reference``.
+    program's output order, like ``models.autograd_reference``. ``loss_scale``
+    seeds the backward with that value and divides the gradients by it in fp32
+    (what ``options.loss_scale`` does on the HTP).
     """
-    from .models import autograd_reference
-
     half = copy.deepcopy(model).half()
     half_inputs = tuple(
         t.detach().half() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
         for t in inputs
     )
-    return [t.float() for t in autograd_reference(half, half_inputs, joint)]
+    half.zero_grad(set_to_none=True)
+    loss = half(*half_inputs)
+    loss.backward(torch.full_like(loss, loss_scale))
+    params = dict(half.named_parameters())
+    out = []
+    for name in output_names(joint):
+        if name == "loss":
+            out.append(loss.detach().float())
+        else:
+            out.append(params[name].grad.detach().float() / loss_scale)
+    return out
 
 
 def assess(
@@ -199,9 +212,13 @@ def assess_model(
     inputs: Sequence[torch.Tensor],
     joint: torch.export.ExportedProgram,
     htp: Sequence[torch.Tensor],
+    loss_scale: float = 1.0,
 ) -> Report:
-    """``assess`` with both references computed from ``model`` and ``inputs``."""
+    """``assess`` with both references computed from ``model`` and ``inputs``.
+
+    The floor is torch's fp16 step with the same ``loss_scale`` as the HTP's.
+    """
     from .models import autograd_reference
 
     reference = autograd_reference(model, tuple(inputs), joint)
-    return assess(joint, htp, reference, fp16_reference(model, inputs, joint))
+    return assess(joint, htp, reference, fp16_reference(model, inputs, joint, loss_scale))

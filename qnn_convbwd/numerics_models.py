@@ -121,3 +121,35 @@ def bn_training_graph(size: int = 8, train: str = "bias", seed: int = 0) -> Grap
         target = torch.randn_like(backbone(x))
     program = torch.export.export(model, (x, target), strict=True)
     return Graph(model, (x, target), _export_forward_backward(program))
+
+
+class WeightedLoss(nn.Module):
+    """``weight`` times a model's loss (an auxiliary-loss weight, or a mean over many terms)."""
+
+    def __init__(self, model: nn.Module, weight: float) -> None:
+        super().__init__()
+        self.model = model
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.model(x, target) * self.weight
+
+
+def small_loss_graph(weight: float = 1e-5, size: int = 15, seed: int = 0) -> Graph:
+    """``models.linear_backbone`` behind a trained adapter, its MSE loss times ``weight``.
+
+    The gradients scale with ``weight``: at 1e-5 most are below 6e-8, fp16's
+    smallest subnormal number, and at 1e-3 below its smallest normal (6.1e-5).
+    """
+    from torch.export.experimental import _export_forward_backward
+
+    from .models import AdapterNet, linear_backbone
+
+    torch.manual_seed(seed)
+    net = AdapterNet(8, linear_backbone(8), trainable_backbone=True)
+    x = torch.randn(1, 8, size, size)
+    with torch.no_grad():
+        target = torch.randn_like(net.backbone(net.adapter(x)))
+    model = WeightedLoss(net, weight)
+    program = torch.export.export(model, (x, target), strict=True)
+    return Graph(model, (x, target), _export_forward_backward(program))

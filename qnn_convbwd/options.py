@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 # How TransposeConv's padding and output padding are expressed
 # (builders.conv_geometry.plan_input_gradient):
@@ -45,6 +46,10 @@ class Options:
     stride: str = "zero_insert"
     input_gradient: str = "runtime_weight"
     batch_norm: str = "decompose"
+    # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
+    # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
+    # unscale exact. 1.0: no scaling. See docs/numerics.md for the measurements.
+    loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for field, choices in (
@@ -58,6 +63,10 @@ class Options:
                 raise ValueError(
                     f"qnn_convbwd option {field}={value!r} is not one of {', '.join(choices)}"
                 )
+        if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+            raise ValueError(
+                f"qnn_convbwd option loss_scale={self.loss_scale!r} must be finite and > 0"
+            )
 
 
 current = Options()

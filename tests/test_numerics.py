@@ -77,7 +77,7 @@ def _edge(module: nn.Module, inputs: tuple):
 
 
 def test_batch_norm_becomes_elementwise_ops_and_a_trained_weight_stays_a_read():
-    from qnn_convbwd.passes.batch_norm import decompose_batch_norm
+    from qnn_convbwd.passes.batch_norm import decompose_batch_norm, fold_frozen_statistics
 
     g = nm.bn_training_graph(train="affine")
     edge = _edge_joint(g.program)
@@ -93,6 +93,12 @@ def test_batch_norm_becomes_elementwise_ops_and_a_trained_weight_stays_a_read():
     (read,) = weight.users
     assert "view_copy" in str(read.target) and list(read.args[1]) == [1, 16, 1, 1]
     assert all("mul.Tensor" in str(u.target) for u in read.users)
+    # the backward's rsqrt(var + eps) of the running statistics becomes a constant
+    rsqrt = [n for n in gm.graph.nodes if n.op == "call_function" and "rsqrt" in str(n.target)]
+    assert rsqrt
+    assert fold_frozen_statistics(gm, edge) > 0
+    assert not [n for n in gm.graph.nodes if n.op == "call_function" and "rsqrt" in str(n.target)]
+    assert weight.users == {read: None}
 
 
 def _edge_joint(program):

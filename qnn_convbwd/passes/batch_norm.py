@@ -19,9 +19,13 @@ with per-channel ``[1, C, 1, ...]`` operands:
 * the bias is added as a constant when frozen, as a reshape of the parameter
   when trained.
 
-The joint graph's backward is already decomposed by autograd (it reads the
-batch norm's input, the running statistics and its output's users); only the
-forward node is replaced, so the backward reads the same values as before.
+The joint graph's backward is already decomposed by autograd: it reads the
+batch norm's input and the running statistics, and computes ``rsqrt(var + eps)``
+with the node's epsilon, so forward and backward now agree (with executorch's
+visitor the forward used 1e-9, the backward 1e-5). ``fold_frozen_statistics``
+computes that backward arithmetic on the running statistics (``add``, ``rsqrt``,
+reshapes) in fp32 on the host, as the forward's constants are: on the HTP it
+ran in fp16, where variances below 6.1e-5 are subnormal.
 """
 
 from __future__ import annotations
@@ -143,6 +147,56 @@ def _rewrite(
     return True
 
 
+# Ops on running statistics that fold_frozen_statistics computes on the host.
+_FOLDABLE = (
+    "aten.add.Tensor",
+    "aten.add.Scalar",
+    "aten.sub.Tensor",
+    "aten.mul.Tensor",
+    "aten.rsqrt.default",
+    "aten.sqrt.default",
+    "aten.unsqueeze_copy.default",
+    "aten.view_copy.default",
+)
+
+
+def fold_frozen_statistics(graph_module: torch.fx.GraphModule, edge_program) -> int:
+    """Replace arithmetic on buffers (running statistics) alone by fp32 constants."""
+    if edge_program is None:
+        return 0
+    buffers = {
+        spec.arg.name
+        for spec in edge_program.graph_signature.input_specs
+        if spec.kind.name == "BUFFER"
+    }
+    values: dict[torch.fx.Node, torch.Tensor] = {}
+    folded = 0
+    for node in list(graph_module.graph.nodes):
+        if node.op == "placeholder" and node.name in buffers:
+            value = _static(node, edge_program)
+            if value is not None:
+                values[node] = value
+            continue
+        if node.op != "call_function" or not any(
+            str(node.target).startswith(f"<EdgeOpOverload: {op}>") for op in _FOLDABLE
+        ):
+            continue
+        if not node.all_input_nodes or not all(a in values for a in node.all_input_nodes):
+            continue
+        args = [values[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        value = node.target(*args, **node.kwargs)
+        values[node] = value
+        constant = _Builder(graph_module, node).constant("folded", value)
+        node.replace_all_uses_with(constant)
+        graph_module.graph.erase_node(node)
+        values[constant] = value
+        folded += 1
+    if folded:
+        graph_module.graph.eliminate_dead_code()
+        graph_module.recompile()
+    return folded
+
+
 def decompose_batch_norm(
     graph_module: torch.fx.GraphModule, edge_program, fold_weight: bool = True
 ) -> int:
@@ -178,4 +232,6 @@ class StableBatchNorm(PassBase):
         if options.current.batch_norm != "decompose":
             return PassResult(graph_module, False)
         changed = decompose_batch_norm(graph_module, self.edge_program, self.fold_weight)
+        if changed:
+            changed += fold_frozen_statistics(graph_module, self.edge_program)
         return PassResult(graph_module, changed > 0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 # How TransposeConv's padding and output padding are expressed
 # (builders.conv_geometry.plan_input_gradient):
@@ -40,6 +39,10 @@ INPUT_GRADIENT_FORMULATIONS = ("runtime_weight", "transpose_conv")
 BATCH_NORM_MODES = ("decompose", "executorch")
 
 
+# The largest finite float16: the loss scale seeds the backward as an fp16 tensor.
+FP16_MAX = 65504.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     output_padding: str = "auto"
@@ -48,7 +51,8 @@ class Options:
     batch_norm: str = "decompose"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
     # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
-    # unscale exact. 1.0: no scaling. See docs/numerics.md for the measurements.
+    # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
+    # default: larger scales overflow fp16 in some backwards (docs/numerics.md).
     loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
@@ -63,9 +67,10 @@ class Options:
                 raise ValueError(
                     f"qnn_convbwd option {field}={value!r} is not one of {', '.join(choices)}"
                 )
-        if not (math.isfinite(self.loss_scale) and self.loss_scale > 0):
+        if not (0 < self.loss_scale <= FP16_MAX):
             raise ValueError(
-                f"qnn_convbwd option loss_scale={self.loss_scale!r} must be finite and > 0"
+                f"qnn_convbwd option loss_scale={self.loss_scale!r} must be > 0 and at most "
+                f"{FP16_MAX:g} (the seed is an fp16 tensor on the HTP)"
             )
 
 

@@ -40,8 +40,6 @@ from .. import integration
 
 logger = logging.getLogger(__name__)
 
-TARGET = "aten._native_batch_norm_legit_no_training.default"
-
 
 def _edge_op():
     return integration.get("ops").edge.aten._native_batch_norm_legit_no_training.default
@@ -122,24 +120,26 @@ def _rewrite(
     b = _Builder(graph_module, node)
     rstd = torch.rsqrt(var_t + eps)
 
-    def operand(param: torch.fx.Node, name: str, fold: torch.Tensor | None = None):
+    def frozen(param: torch.fx.Node) -> torch.Tensor | None:
+        return None if param.name in trained else _static(param, edge_program)
+
+    def operand(param: torch.fx.Node, name: str, times: torch.Tensor | None = None):
         """A trained parameter as a reshape of its read; a frozen one as a constant."""
-        if param.name in trained or (value := _static(param, edge_program)) is None:
-            return None, b.call(b.ops.view_copy.default, param, shape)
-        value = value if fold is None else value * fold
-        return value, b.constant(name, value.reshape(shape))
+        value = frozen(param)
+        if value is None:
+            return b.call(b.ops.view_copy.default, param, shape)
+        return b.constant(name, (value if times is None else value * times).reshape(shape))
 
     centred = b.call(b.ops.sub.Tensor, x, b.constant("mean", mean_t.reshape(shape)))
     if weight is None:
         out = b.call(b.ops.mul.Tensor, centred, b.constant("scale", rstd.reshape(shape)))
-    elif fold_weight and weight.name not in trained and _static(weight, edge_program) is not None:
-        _, scale = operand(weight, "scale", fold=rstd)
-        out = b.call(b.ops.mul.Tensor, centred, scale)
+    elif fold_weight and frozen(weight) is not None:
+        out = b.call(b.ops.mul.Tensor, centred, operand(weight, "scale", times=rstd))
     else:
         out = b.call(b.ops.mul.Tensor, centred, b.constant("rstd", rstd.reshape(shape)))
-        out = b.call(b.ops.mul.Tensor, out, operand(weight, "w")[1])
+        out = b.call(b.ops.mul.Tensor, out, operand(weight, "w"))
     if bias is not None:
-        out = b.call(b.ops.add.Tensor, out, operand(bias, "b")[1])
+        out = b.call(b.ops.add.Tensor, out, operand(bias, "b"))
     for user in users:
         user.replace_all_uses_with(out)
         graph_module.graph.erase_node(user)

@@ -18,8 +18,10 @@ from .builders import conv_geometry as geo
 from .partition import cpu_kernel, support, trainable
 from .partition.target import Target
 from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
+from .passes.batch_norm import StableBatchNorm
 from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
 from .passes.conv1d import ON_CPU
+from .passes.loss_scale import UNSCALE, ScaleLoss
 from .passes.shape_only_operands import SHAPE_OF
 
 logger = logging.getLogger(__name__)
@@ -148,6 +150,9 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
         # A reshape the transform pass added around a 1-D node it lifted for
         # executorch's CPU kernel: it runs with that node.
         return False
+    if target is not None and node.meta.get(UNSCALE):
+        # The 1 / loss_scale of a gradient output: fp32 on CPU, where it is exact.
+        return False
     if target is not None and (
         node.meta.get(SHAPE_OF) or node.target in integration.get("constant_operator")
     ):
@@ -196,6 +201,7 @@ def _hooks() -> integration.Hooks:
     hooks.on_support_init = _on_support_init
     hooks.is_node_supported = _is_node_supported
     hooks.transform_pass = CanonicalizeConvolutionBackward
+    hooks.extra_transform_passes = (StableBatchNorm, ScaleLoss)
     hooks.layout_edge_condition = layout.is_edge_condition
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes

@@ -1,4 +1,4 @@
-"""``qnn-convbwd`` command line: doctor, demo, bench."""
+"""``qnn-convbwd`` command line: doctor, demo, bench, fidelity."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ COMMANDS = {
     ),
     "demo": ("qnn_convbwd.demo", "lower and run a frozen-backbone training graph"),
     "bench": ("qnn_convbwd.bench", "benchmark training graphs with and without the plugin"),
+    "fidelity": (
+        "qnn_convbwd.fidelity_cli",
+        "run a training graph on the simulator and judge it against torch's fp16 step",
+    ),
 }
 
 

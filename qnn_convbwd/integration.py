@@ -252,6 +252,8 @@ class Hooks:
     # with ``skip_node_id_set`` in place of the checker's own when given.
     is_node_supported: Callable[[Callable[..., bool], Any, Any], bool]
     transform_pass: type  # added to QnnPassManager's to_edge transform passes
+    # More to_edge transform passes, ordered like ``transform_pass`` (before it).
+    extra_transform_passes: tuple[type, ...] = ()
     layout_edge_condition: Callable[[Callable, Any, Any], bool]  # (original, pass, node)
     layout_mark: Callable[[Callable, Any, Any], None]  # (original, pass, node)
     record_output_dtypes: Callable[[Any, Any], None]  # (pass, graph_module)
@@ -390,17 +392,22 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
     orig_activations = pm_cls.get_default_pass_activations.__func__
     orig_deps = pm_cls.get_passes_dependency_for_capture_program.__func__
 
+    plugin_passes = (*hooks.extra_transform_passes, hooks.transform_pass)
+
     def activations(cls):
-        return [*orig_activations(cls), (hooks.transform_pass, True)]
+        return [*orig_activations(cls), *((p, True) for p in plugin_passes)]
 
     def dependencies(cls):
         deps = orig_deps(cls)
         # After the graph is cleaned up, before the passes that read operands'
         # layout and dtype; ResolveDebugHandle must stay last.
-        deps[hooks.transform_pass] = [get("RemoveRedundancy"), get("CanonicalizeConv")]
+        earlier = [get("RemoveRedundancy"), get("CanonicalizeConv")]
+        for plugin_pass in plugin_passes:
+            deps[plugin_pass] = list(earlier)
+            earlier.append(plugin_pass)
         for later in ("LayoutTransform", "I64toI32", "ResolveDebugHandle"):
             deps.setdefault(get(later), [])
-            deps[get(later)] = [*deps[get(later)], hooks.transform_pass]
+            deps[get(later)] = [*deps[get(later)], *plugin_passes]
         return deps
 
     p.set_attr(pm_cls, "get_default_pass_activations", classmethod(activations))

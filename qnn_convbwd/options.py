@@ -31,24 +31,47 @@ STRIDE_MODES = ("zero_insert", "parameter")
 #   "transpose_conv" keeps static filters and stores the weight twice.
 INPUT_GRADIENT_FORMULATIONS = ("runtime_weight", "transpose_conv")
 
+# How eval-mode batch norm (aten._native_batch_norm_legit_no_training) is lowered:
+#   "decompose"  passes.batch_norm: (x - mean) * scale + b with the node's epsilon;
+#   "executorch" executorch's QNN Batchnorm visitor, whose epsilon is hard-coded
+#                to 1e-9 (wrong for channels with a small running variance;
+#                docs/numerics.md).
+BATCH_NORM_MODES = ("decompose", "executorch")
+
+
+# The largest finite float16: the loss scale seeds the backward as an fp16 tensor.
+FP16_MAX = 65504.0
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:
     output_padding: str = "auto"
     stride: str = "zero_insert"
     input_gradient: str = "runtime_weight"
+    batch_norm: str = "decompose"
+    # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
+    # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
+    # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
+    # default: larger scales overflow fp16 in some backwards (docs/numerics.md).
+    loss_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for field, choices in (
             ("output_padding", OUTPUT_PADDING_MODES),
             ("stride", STRIDE_MODES),
             ("input_gradient", INPUT_GRADIENT_FORMULATIONS),
+            ("batch_norm", BATCH_NORM_MODES),
         ):
             value = getattr(self, field)
             if value not in choices:
                 raise ValueError(
                     f"qnn_convbwd option {field}={value!r} is not one of {', '.join(choices)}"
                 )
+        if not (0 < self.loss_scale <= FP16_MAX):
+            raise ValueError(
+                f"qnn_convbwd option loss_scale={self.loss_scale!r} must be > 0 and at most "
+                f"{FP16_MAX:g} (the seed is an fp16 tensor on the HTP)"
+            )
 
 
 current = Options()

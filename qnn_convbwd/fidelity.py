@@ -1,0 +1,224 @@
+"""Gradient fidelity of a training step on the HTP, judged against torch's own fp16.
+
+The HTP computes in fp16, so an fp32 eager reference alone says little: torch
+itself computing the same step in float16 is off by tens of percent on some
+gradients (docs/numerics.md). ``assess`` compares each output of a joint
+forward-backward program (loss and one gradient per trained parameter, in
+output-spec order, as ``toolchain.harness.run_pte`` returns them) with the fp32
+reference (``models.autograd_reference``), and puts the same numbers for torch's
+fp16 step (``fp16_reference``, the *floor*) beside them.
+
+A tensor is within fidelity when
+
+    rel_l2     <= REL_L2_FACTOR * floor.rel_l2 + REL_L2_EPS          and
+    1 - cosine <= REL_L2_FACTOR**2 * (1 - floor.cosine) + COSINE_SLACK.
+
+The cosine limit is the relative-L2 limit carried over: for an error e
+orthogonal to the reference, 1 - cosine ~= rel_l2**2 / 2, so twice the floor's
+relative L2 allows four times its 1 - cosine. A fixed slack on the cosine
+(``floor.cosine - 1e-3``) fails a lowering whose errors are fp16's own: measured
+on a MobileNet-like bias-only step (numerics_models.bn_training_graph, SM8650),
+a bias gradient with rel_l2 0.173 against the floor's 0.164 (1.06x) has cosine
+0.98496 against 0.98674.
+``REL_L2_EPS`` covers tensors whose floor is ~0 (fp16 happens to be exact, e.g.
+a loss or a bias gradient of few terms): 1e-3 is twice fp16's unit roundoff
+(2**-11 = 4.9e-4) in relative L2, the error of one rounding to fp16 of every
+element, which no fp16 computation can be asked to beat.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import torch
+
+REL_L2_FACTOR = 2.0
+REL_L2_EPS = 1e-3
+COSINE_SLACK = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class Metrics:
+    """Errors of one tensor against the fp32 reference."""
+
+    max_rel: float  # max|a - b| / max|b|
+    rel_l2: float  # ||a - b|| / ||b||
+    cosine: float  # <a, b> / (||a|| ||b||); 1 when both are zero
+
+    @classmethod
+    def of(cls, actual: torch.Tensor, reference: torch.Tensor) -> Metrics:
+        a = actual.detach().double().flatten()
+        b = reference.detach().double().flatten()
+        if a.shape != b.shape:
+            raise ValueError(f"shape {tuple(actual.shape)} vs reference {tuple(reference.shape)}")
+        diff = a - b
+        return cls(
+            max_rel=_ratio(diff.abs().max().item(), b.abs().max().item()),
+            rel_l2=_ratio(diff.norm().item(), b.norm().item()),
+            cosine=_cosine(a, b),
+        )
+
+
+def _ratio(num: float, den: float) -> float:
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = a.norm().item(), b.norm().item()
+    if na == 0.0 and nb == 0.0:
+        return 1.0
+    if na == 0.0 or nb == 0.0:
+        return 0.0
+    return (a @ b).item() / (na * nb)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str  # "loss" or the parameter's name
+    htp: Metrics
+    floor: Metrics  # torch's fp16 step
+
+    @property
+    def rel_l2_limit(self) -> float:
+        return REL_L2_FACTOR * self.floor.rel_l2 + REL_L2_EPS
+
+    @property
+    def cosine_limit(self) -> float:
+        return 1.0 - (REL_L2_FACTOR**2 * (1.0 - self.floor.cosine) + COSINE_SLACK)
+
+    @property
+    def within(self) -> bool:
+        return self.htp.rel_l2 <= self.rel_l2_limit and self.htp.cosine >= self.cosine_limit
+
+    def why(self) -> str:
+        """What exceeds the limits (empty when within)."""
+        reasons = []
+        if not self.htp.rel_l2 <= self.rel_l2_limit:
+            reasons.append(f"rel_l2 {self.htp.rel_l2:.3g} > {self.rel_l2_limit:.3g}")
+        if not self.htp.cosine >= self.cosine_limit:
+            reasons.append(f"cosine {self.htp.cosine:.6f} < {self.cosine_limit:.6f}")
+        return "; ".join(reasons)
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    rows: list[Row]
+
+    @property
+    def within(self) -> bool:
+        return all(r.within for r in self.rows)
+
+    @property
+    def offending(self) -> list[str]:
+        """``"<tensor>: <reason>"`` for every tensor outside the limits."""
+        return [f"{r.name}: {r.why()}" for r in self.rows if not r.within]
+
+    def verdict(self) -> str:
+        if self.within:
+            return f"within fidelity ({len(self.rows)} tensors)"
+        return "not within fidelity: " + ", ".join(self.offending)
+
+    def worst(self) -> Row:
+        """The row with the largest relative L2 error on the HTP."""
+        return max(self.rows, key=lambda r: r.htp.rel_l2)
+
+    def to_markdown(self) -> str:
+        head = (
+            "| tensor | max-abs rel | rel L2 | cosine | fp16 max-abs rel | fp16 rel L2 "
+            "| fp16 cosine | within |\n|---|---|---|---|---|---|---|---|"
+        )
+        lines = [
+            f"| {r.name} | {r.htp.max_rel:.3g} | {r.htp.rel_l2:.3g} | {r.htp.cosine:.6f} "
+            f"| {r.floor.max_rel:.3g} | {r.floor.rel_l2:.3g} | {r.floor.cosine:.6f} "
+            f"| {'yes' if r.within else 'no: ' + r.why()} |"
+            for r in self.rows
+        ]
+        return "\n".join([head, *lines, "", self.verdict()])
+
+
+def output_names(joint: torch.export.ExportedProgram) -> list[str]:
+    """One name per output of a joint program: "loss" or the parameter it is a gradient of."""
+    names = []
+    for spec in joint.graph_signature.output_specs:
+        kind = spec.kind.name
+        if kind == "LOSS_OUTPUT":
+            names.append("loss")
+        elif kind == "GRADIENT_TO_PARAMETER":
+            names.append(str(spec.target))
+        else:
+            raise ValueError(f"unexpected output kind {kind}")
+    return names
+
+
+def fp16_reference(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    joint: torch.export.ExportedProgram,
+    loss_scale: float = 1.0,
+) -> list[torch.Tensor]:
+    """Torch's own float16 training step (CPU autograd on a float16 copy), as float32.
+
+    The model and the floating-point inputs are copied to float16 (including
+    batch-norm statistics and other buffers); the outputs are in the joint
+    program's output order, like ``models.autograd_reference``. ``loss_scale``
+    seeds the backward with that value and divides the gradients by it in fp32
+    (what ``options.loss_scale`` does on the HTP).
+    """
+    half = copy.deepcopy(model).half()
+    half_inputs = tuple(
+        t.detach().half() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+        for t in inputs
+    )
+    half.zero_grad(set_to_none=True)
+    loss = half(*half_inputs)
+    loss.backward(torch.full_like(loss, loss_scale))
+    params = dict(half.named_parameters())
+    out = []
+    for name in output_names(joint):
+        if name == "loss":
+            out.append(loss.detach().float())
+        else:
+            out.append(params[name].grad.detach().float() / loss_scale)
+    return out
+
+
+def assess(
+    joint: torch.export.ExportedProgram,
+    htp: Sequence[torch.Tensor],
+    reference: Sequence[torch.Tensor],
+    fp16: Sequence[torch.Tensor],
+) -> Report:
+    """Per-tensor fidelity of ``htp`` (program outputs) against ``reference`` (fp32)."""
+    names = output_names(joint)
+    if not len(names) == len(htp) == len(reference) == len(fp16):
+        raise ValueError(
+            f"{len(names)} outputs in the program, {len(htp)} from the HTP, "
+            f"{len(reference)} in the reference, {len(fp16)} in the fp16 step"
+        )
+    rows = [
+        Row(name, Metrics.of(h, r), Metrics.of(f, r))
+        for name, h, r, f in zip(names, htp, reference, fp16)
+    ]
+    return Report(rows)
+
+
+def assess_model(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    joint: torch.export.ExportedProgram,
+    htp: Sequence[torch.Tensor],
+    loss_scale: float = 1.0,
+) -> Report:
+    """``assess`` with both references computed from ``model`` and ``inputs``.
+
+    The floor is torch's fp16 step with the same ``loss_scale`` as the HTP's.
+    """
+    from .models import autograd_reference
+
+    reference = autograd_reference(model, tuple(inputs), joint)
+    return assess(joint, htp, reference, fp16_reference(model, inputs, joint, loss_scale))

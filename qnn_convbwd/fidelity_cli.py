@@ -1,0 +1,52 @@
+"""``qnn-convbwd fidelity``: lower one training graph, run it on the simulator, judge it.
+
+Prints ``fidelity.Report.to_markdown()`` (the HTP beside torch's fp16 step);
+exits 0 when every tensor is within fidelity, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from . import options
+
+GRAPHS = ("bn-bias", "bn-affine", "small-loss", "demo", "mobilenet", "resnet", "linear")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--graph", choices=GRAPHS, default="bn-bias", help="training graph")
+    parser.add_argument("--soc", default="SM8650", help="e.g. SM8450, SM8550, SM8650, SM8850")
+    parser.add_argument("--loss-scale", type=float, default=1.0, help="options.loss_scale")
+    parser.add_argument(
+        "--batch-norm", choices=options.BATCH_NORM_MODES, default="decompose", help="lowering"
+    )
+
+
+def _graph(name: str):
+    from . import models
+    from . import numerics_models as nm
+
+    if name.startswith("bn-"):
+        g = nm.bn_training_graph(train=name[3:])
+    elif name == "small-loss":
+        g = nm.small_loss_graph()
+    else:
+        g = models.training_graph(name, size=15, trainable_backbone=True)
+    return g.model, g.inputs, g.program
+
+
+def run(args: argparse.Namespace) -> int:
+    from . import api, fidelity
+    from .toolchain import harness
+
+    model, inputs, program = _graph(args.graph)
+    with api.enabled(loss_scale=args.loss_scale, batch_norm=args.batch_norm):
+        compiled = harness.lower_program(program, args.soc)
+    outputs = compiled.run(list(inputs))
+    report = fidelity.assess_model(model, inputs, program, outputs, args.loss_scale)
+    print(
+        f"{args.graph} on {args.soc} (loss_scale={args.loss_scale:g}, "
+        f"batch_norm={args.batch_norm}, {harness.delegate_count(compiled.edge)} delegate(s))"
+    )
+    print(report.to_markdown())
+    return 0 if report.within else 1

@@ -1,0 +1,237 @@
+"""Eval-mode batch norm as element-wise ops, with the module's own epsilon.
+
+executorch's QNN visitor of ``aten._native_batch_norm_legit_no_training``
+(``builders/op_batch_norm.py``) builds one QNN Batchnorm with the static
+filter ``w / sqrt(var + 1e-9)`` and bias ``b - filter * mean``: the epsilon is
+hard-coded and the node's own (``args[6]``, 1e-5 for ``nn.BatchNorm2d``) is
+never read. Channels whose running variance is near or below the epsilon are
+scaled up to ``sqrt((var + eps) / (var + 1e-9))`` times too much (measured: 125 %
+error for var = 1e-6, the same on V69 to V81; docs/numerics.md).
+
+``StableBatchNorm`` rewrites each such node into ``(x - mean) * scale + b``
+with per-channel ``[1, C, 1, ...]`` operands:
+
+* ``mean`` and ``rsqrt(var + eps)`` of the frozen running statistics are
+  computed in fp32 on the host and become constants;
+* a frozen weight is folded into the constant ``scale = w * rsqrt(var + eps)``;
+  a trained one (its gradient is a program output) stays a graph read:
+  ``(x - mean) * rsqrt(var + eps) * w + b``;
+* the bias is added as a constant when frozen, as a reshape of the parameter
+  when trained.
+
+The joint graph's backward is already decomposed by autograd: it reads the
+batch norm's input and the running statistics, and computes ``rsqrt(var + eps)``
+with the node's epsilon, so forward and backward now agree (with executorch's
+visitor the forward used 1e-9, the backward 1e-5). ``fold_frozen_statistics``
+computes that backward arithmetic on the running statistics (``add``, ``rsqrt``,
+reshapes) in fp32 on the host, as the forward's constants are: on the HTP it
+ran in fp16, where variances below 6.1e-5 are subnormal.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+
+import torch
+from torch.fx.passes.infra.pass_base import PassBase, PassResult
+
+from .. import integration
+
+logger = logging.getLogger(__name__)
+
+
+def _edge_op():
+    return integration.get("ops").edge.aten._native_batch_norm_legit_no_training.default
+
+
+def _trained_parameters(edge_program) -> set[str]:
+    """Placeholder names of parameters whose gradient the program outputs."""
+    if edge_program is None:
+        return set()
+    signature = edge_program.graph_signature
+    trained = {
+        spec.target for spec in signature.output_specs if spec.kind.name == "GRADIENT_TO_PARAMETER"
+    }
+    return {
+        spec.arg.name
+        for spec in signature.input_specs
+        if spec.kind.name == "PARAMETER" and spec.target in trained
+    }
+
+
+class _Builder:
+    """Creates nodes before ``anchor`` with fake values, in the anchor's metadata."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, anchor: torch.fx.Node) -> None:
+        self.gm = graph_module
+        self.anchor = anchor
+        self.ops = integration.get("ops").edge.aten
+        self.fake_mode = integration.get("detect_fake_mode")(anchor.args[0].meta["val"])
+
+    def constant(self, name: str, value: torch.Tensor) -> torch.fx.Node:
+        attr = integration.get("get_new_attr_name_with_prefix")(f"{self.anchor.name}_{name}")(
+            self.gm
+        )
+        self.gm.register_buffer(attr, value.contiguous())
+        with self.gm.graph.inserting_before(self.anchor):
+            node = self.gm.graph.get_attr(attr)
+        node.meta["val"] = self.fake_mode.fake_tensor_converter.from_real_tensor(
+            self.fake_mode, value
+        )
+        return node
+
+    def call(self, target, *args) -> torch.fx.Node:
+        with self.gm.graph.inserting_before(self.anchor):
+            node = self.gm.graph.create_node("call_function", target, args)
+        node.meta.update({k: v for k, v in self.anchor.meta.items() if k != "val"})
+        fake_args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        with self.fake_mode:
+            node.meta["val"] = target(*fake_args)
+        return node
+
+
+def _static(node: torch.fx.Node | None, edge_program) -> torch.Tensor | None:
+    if node is None:
+        return None
+    if edge_program is not None and integration.get("is_parameter")(node, edge_program):
+        return integration.get("get_parameter")(node, edge_program).detach().float()
+    return None
+
+
+def _rewrite(
+    graph_module: torch.fx.GraphModule,
+    node: torch.fx.Node,
+    edge_program,
+    trained: set[str],
+    fold_weight: bool,
+) -> bool:
+    x, weight, bias, mean, var = node.args[:5]
+    eps = float(node.args[6])
+    users = list(node.users)
+    if not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
+        logger.info("batch norm %s: kept (its saved statistics are read)", node.name)
+        return False
+    mean_t, var_t = _static(mean, edge_program), _static(var, edge_program)
+    if mean_t is None or var_t is None:
+        logger.info("batch norm %s: kept (running statistics are not constants)", node.name)
+        return False
+    shape = [1, mean_t.numel(), *([1] * (x.meta["val"].dim() - 2))]
+    b = _Builder(graph_module, node)
+    rstd = torch.rsqrt(var_t + eps)
+
+    def frozen(param: torch.fx.Node) -> torch.Tensor | None:
+        return None if param.name in trained else _static(param, edge_program)
+
+    def operand(param: torch.fx.Node, name: str, times: torch.Tensor | None = None):
+        """A trained parameter as a reshape of its read; a frozen one as a constant."""
+        value = frozen(param)
+        if value is None:
+            return b.call(b.ops.view_copy.default, param, shape)
+        return b.constant(name, (value if times is None else value * times).reshape(shape))
+
+    centred = b.call(b.ops.sub.Tensor, x, b.constant("mean", mean_t.reshape(shape)))
+    if weight is None:
+        out = b.call(b.ops.mul.Tensor, centred, b.constant("scale", rstd.reshape(shape)))
+    elif fold_weight and frozen(weight) is not None:
+        out = b.call(b.ops.mul.Tensor, centred, operand(weight, "scale", times=rstd))
+    else:
+        out = b.call(b.ops.mul.Tensor, centred, b.constant("rstd", rstd.reshape(shape)))
+        out = b.call(b.ops.mul.Tensor, out, operand(weight, "w"))
+    if bias is not None:
+        out = b.call(b.ops.add.Tensor, out, operand(bias, "b"))
+    for user in users:
+        user.replace_all_uses_with(out)
+        graph_module.graph.erase_node(user)
+    graph_module.graph.erase_node(node)
+    return True
+
+
+# Ops on running statistics that fold_frozen_statistics computes on the host.
+_FOLDABLE = (
+    "aten.add.Tensor",
+    "aten.add.Scalar",
+    "aten.sub.Tensor",
+    "aten.mul.Tensor",
+    "aten.rsqrt.default",
+    "aten.sqrt.default",
+    "aten.unsqueeze_copy.default",
+    "aten.view_copy.default",
+)
+
+
+def fold_frozen_statistics(graph_module: torch.fx.GraphModule, edge_program) -> int:
+    """Replace arithmetic on buffers (running statistics) alone by fp32 constants."""
+    if edge_program is None:
+        return 0
+    buffers = {
+        spec.arg.name
+        for spec in edge_program.graph_signature.input_specs
+        if spec.kind.name == "BUFFER"
+    }
+    values: dict[torch.fx.Node, torch.Tensor] = {}
+    folded = 0
+    for node in list(graph_module.graph.nodes):
+        if node.op == "placeholder" and node.name in buffers:
+            value = _static(node, edge_program)
+            if value is not None:
+                values[node] = value
+            continue
+        if node.op != "call_function" or not any(
+            str(node.target).startswith(f"<EdgeOpOverload: {op}>") for op in _FOLDABLE
+        ):
+            continue
+        if not node.all_input_nodes or not all(a in values for a in node.all_input_nodes):
+            continue
+        args = [values[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
+        value = node.target(*args, **node.kwargs)
+        values[node] = value
+        constant = _Builder(graph_module, node).constant("folded", value)
+        node.replace_all_uses_with(constant)
+        graph_module.graph.erase_node(node)
+        values[constant] = value
+        folded += 1
+    if folded:
+        graph_module.graph.eliminate_dead_code()
+        graph_module.recompile()
+    return folded
+
+
+def decompose_batch_norm(
+    graph_module: torch.fx.GraphModule, edge_program, fold_weight: bool = True
+) -> int:
+    """Rewrite every eval-mode batch norm of ``graph_module``; returns how many.
+
+    ``fold_weight`` folds a frozen weight into the scale constant (otherwise it
+    is multiplied in on the device, like a trained one).
+    """
+    trained = _trained_parameters(edge_program)
+    changed = 0
+    for node in list(graph_module.graph.nodes):
+        if node.op == "call_function" and node.target == _edge_op():
+            changed += _rewrite(graph_module, node, edge_program, trained, fold_weight)
+    if changed:
+        graph_module.graph.eliminate_dead_code()
+        graph_module.recompile()
+    return changed
+
+
+class StableBatchNorm(PassBase):
+    """to_edge transform pass running ``decompose_batch_norm`` (options.batch_norm)."""
+
+    # Fold a frozen weight into the scale constant (see decompose_batch_norm).
+    fold_weight = True
+
+    def __init__(self, edge_program=None) -> None:
+        super().__init__()
+        self.edge_program = edge_program
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        from .. import options
+
+        if options.current.batch_norm != "decompose":
+            return PassResult(graph_module, False)
+        changed = decompose_batch_norm(graph_module, self.edge_program, self.fold_weight)
+        if changed:
+            changed += fold_frozen_statistics(graph_module, self.edge_program)
+        return PassResult(graph_module, changed > 0)

@@ -13,7 +13,8 @@ COMMANDS = {
         "qnn_convbwd.toolchain.doctor",
         "report the QNN SDK, the shim and which backends work",
     ),
-    "demo": ("qnn_convbwd.demo", "lower and run a frozen-backbone training graph"),
+    "demo": ("qnn_convbwd.demo", "train a small CNN on the HTP simulator next to torch"),
+    "train": ("qnn_convbwd.train_cli", "train a model with TrainingModule + SGD next to torch"),
     "bench": ("qnn_convbwd.bench", "benchmark training graphs with and without the plugin"),
     "fidelity": (
         "qnn_convbwd.fidelity_cli",

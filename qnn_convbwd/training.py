@@ -52,11 +52,22 @@ class TrainingSession:
         )
         from executorch.extension.training import TrainingModule
 
-        # The runtime reads these buffers while the module runs: keep them alive.
-        self.pte, self.ptd = bytes(pte), None if ptd is None else bytes(ptd)
-        self.module = TrainingModule(_load_for_executorch_from_buffer(self.pte, self.ptd))
+        # The runtime reads these buffers while the module runs: keep them alive, and
+        # let the module go first (``close``; attributes are released in the order
+        # they were set, so the module is set before the buffers).
+        pte, ptd = bytes(pte), None if ptd is None else bytes(ptd)
+        self.module = TrainingModule(_load_for_executorch_from_buffer(pte, ptd))
+        self.pte, self.ptd = pte, ptd
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self._optimizer = None
+
+    def close(self) -> None:
+        """Release the loaded module, then the program's buffers (in that order)."""
+        self.__dict__.pop("_optimizer", None)
+        self.__dict__.pop("module", None)
+
+    def __del__(self) -> None:
+        self.close()
 
     def forward_backward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """User outputs (the loss first); gradients in ``gradients()``."""
@@ -151,9 +162,12 @@ def train_side_by_side(
     params = session.parameters()
     missing = sorted(set(trainable) - set(params))
     if missing:
+        session.close()
         raise RuntimeError(f"the program does not return these trainable parameters: {missing}")
     updates = {
         name: (params[name].detach() - initial[name], trainable[name].detach() - initial[name])
         for name in trainable
     }
+    del params
+    session.close()
     return TrainingRun(records, updates)

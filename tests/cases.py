@@ -366,12 +366,31 @@ CASES: tuple[Case, ...] = (
     # A weight the program reads at run time (a graph input here; a trainable
     # parameter in a joint graph) reaches grad_input through a Transpose...
     Case("weight_input", dataclasses.replace(_BASE, weight_as="input"), None, _2D),
-    # ...but a filter built from the weight's values (dilated) needs a constant weight.
+    # ...dilated with zeros inserted in the graph...
     Case(
         "dilated_weight_input",
         dataclasses.replace(_BASE, dilation=(2, 2), padding=(2, 2), weight_as="input"),
+        None,
+        _2D | {"dilation"},
+    ),
+    # ...but a grouped 3-D node's block-diagonal filter is built from the weight's values.
+    Case(
+        "conv3d_grouped_weight_input",
+        dataclasses.replace(
+            _BASE,
+            in_channels=4,
+            out_channels=4,
+            groups=2,
+            kernel=(3, 3, 3),
+            input_size=(5, 6, 5),
+            stride=(1, 1, 1),
+            padding=(1, 1, 1),
+            dilation=(1, 1, 1),
+            weight_as="input",
+        ),
         "weight_values",
         None,
+        cpu_kernel_refuses=_ONLY_2D,
     ),
     Case("float16", dataclasses.replace(_BASE, dtype=torch.float16), None, _2D),
     Case("float64", dataclasses.replace(_BASE, dtype=torch.float64), "float_operands", None),

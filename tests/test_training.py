@@ -167,11 +167,12 @@ def _serialized_tensor_data(program, tmp=None):
 
 def test_audio1d_fully_trainable_trains(qnn_sdk):
     """1-D: executorch's CanonicalizeConv bakes a copy of a 1-D weight; the plugin reads
-    the trainable parameter instead. The dilated, grouped node stays on CPU (with why)."""
+    the trainable parameter instead, and dilates the grouped, dilated node's run-time
+    filter in the graph."""
     graph = models.audio1d_graph(trainable_backbone=True)
     result = qnn_convbwd.lower(graph.program, harness.compile_specs(SOC))
-    kept = [r for r in result.report.rows if not r.delegated]
-    assert len(kept) == 1 and "trainable" in kept[0].reason, kept
+    assert all(r.delegated for r in result.report.rows), result.report.to_markdown()
+    assert harness.delegate_count(result.edge) == 1
     run = training.train_side_by_side(
         result.edge.to_executorch().buffer, graph.model, graph.inputs, STEPS, LR
     )

@@ -116,10 +116,7 @@ def weight_for_input_gradient(
     kernel dims in ``order``."""
     conv = geo.parse(build_node)
     run_time = runtime_tensors.reads_at_run_time(visitor, weight_node)
-    own_filter = geo.own_filter_reason(conv)
-    if own_filter is not None and run_time:  # partition.support keeps it from the visitor
-        raise geo.ConvArgumentError(f"{build_node.name}: {own_filter}, from a run-time weight")
-    if own_filter is not None:
+    if geo.own_filter_reason(conv) is not None and not run_time:
         return expanded_hwoi(
             visitor,
             weight_node,
@@ -130,11 +127,25 @@ def weight_for_input_gradient(
             nodes_to_wrappers,
         )
     if run_time:
+        if plan.dense_groups > 1:  # partition.support keeps it from the visitor
+            raise geo.ConvArgumentError(
+                f"{build_node.name}: a block-diagonal filter cannot be built from a run-time weight"
+            )
         ops, hwio = runtime_tensors.runtime_hwio(
             visitor, weight_node, build_node, nodes_to_wrappers
         )
     else:
         ops, hwio = [], static_weight_hwio(visitor, weight_node, build_node, nodes_to_wrappers)
+    plain = _hwoi_from(visitor, weight_node, hwio, ops, order, nodes_to_wrappers)
+    if any(d != 1 for d in conv.dilation):
+        return _dilated_in_graph(
+            visitor, weight_node, plain, conv.dilation, order, nodes_to_wrappers
+        )
+    return plain
+
+
+def _hwoi_from(visitor, weight_node, hwio, ops: list, order, nodes_to_wrappers) -> WeightTensors:
+    """HWIO -> HWOI (kernel dims in ``order``): one Transpose, built once per weight."""
     name = hwoi_name(weight_node, order)
     cached = nodes_to_wrappers.get(name, {}).get(0)
     if cached is not None:
@@ -142,10 +153,57 @@ def weight_for_input_gradient(
     weight = weight_node.meta["val"]
     spatial = weight.dim() - 2
     hwio_shape = [int(weight.shape[i]) for i in geo.oihw_to_hwio(spatial)]
-    # HWIO -> HWOI, kernel dims in ``order``: one Transpose.
     perm = [geo.hwio_to_hwoi(spatial)[i] for i in _order_kernel(order, spatial)]
     hwoi_shape = [hwio_shape[i] for i in perm]
     hwoi = qnn_ops.native_tensor(visitor, name, hwoi_shape, weight.dtype, nodes_to_wrappers)
     return WeightTensors(
         hwio, hwoi, [*ops, qnn_ops.transpose(f"{name}_transpose", hwio, hwoi, perm)]
     )
+
+
+def _dilated_in_graph(
+    visitor,
+    weight_node: torch.fx.Node,
+    plain: WeightTensors,
+    dilation: Sequence[int],
+    order: Sequence[int],
+    nodes_to_wrappers,
+) -> WeightTensors:
+    """The dilated HWOI filter of a weight read at run time, computed in the graph.
+
+    TransposeConv has no dilation: the kernel gets ``d - 1`` zeros between its
+    taps. From the HWOI filter ``[*k, O, I]``: a Reshape to ``[1, *k, O * I]``
+    (the kernel dims as the spatial dims of an activation), ``qnn_ops.zero_insert``
+    by the dilation (each tap followed by ``d - 1`` zeros), a StridedSlice that
+    drops the zeros after the last tap, and a Reshape to ``[*k', O, I]`` with
+    ``k' = d * (k - 1) + 1``. Nothing is stored.
+    """
+    value = weight_node.meta["val"]
+    spatial = value.dim() - 2
+    dims = list(order) if order else list(range(spatial))
+    kernel = [int(value.shape[2 + i]) for i in dims]
+    factors = [int(dilation[i]) for i in dims]
+    name = f"{hwoi_name(weight_node, order)}_dilated_{'x'.join(map(str, factors))}"
+    cached = nodes_to_wrappers.get(name, {}).get(0)
+    if cached is not None:
+        return WeightTensors(plain.hwio, cached, plain.ops)
+    channels = int(value.shape[0]) * int(value.shape[1])
+    dtype = value.dtype
+
+    def tensor(suffix: str, shape):
+        return qnn_ops.native_tensor(visitor, f"{name}_{suffix}", shape, dtype, nodes_to_wrappers)
+
+    flat = tensor("flat", [1, *kernel, channels])
+    ops = [*plain.ops, qnn_ops.reshape(f"{name}_flat_op", plain.hwoi, flat)]
+    inserted, spread, spread_shape = qnn_ops.zero_insert(
+        visitor, f"{name}_insert", flat, [1, *kernel, channels], factors, dtype, nodes_to_wrappers
+    )
+    ops += inserted
+    size = [f * (k - 1) + 1 for f, k in zip(factors, kernel, strict=True)]
+    cropped = tensor("cropped", [1, *size, channels])
+    ranges = [[0, 1, 1], *([0, n, 1] for n in size), [0, spread_shape[-1], 1]]
+    ops.append(qnn_ops.strided_slice(f"{name}_crop", spread, cropped, ranges))
+    out_c, in_g = int(value.shape[0]), int(value.shape[1])
+    hwoi = qnn_ops.native_tensor(visitor, name, [*size, out_c, in_g], dtype, nodes_to_wrappers)
+    ops.append(qnn_ops.reshape(f"{name}_op", cropped, hwoi))
+    return WeightTensors(plain.hwio, hwoi, ops)

@@ -227,24 +227,26 @@ def not_quantized(node, conv, target):
 @rule
 def weight_values(node, conv, target):
     # A weight read at run time (a trainable parameter, a graph input, a computed
-    # tensor) serves grad_input through a Transpose; a filter that must be built
-    # from the weight's values (dilated, or grouped 3-D) needs a constant weight.
-    if not conv.output_mask[0]:
+    # tensor) serves grad_input through a Transpose, dilated in the graph where it
+    # must be; the block-diagonal filter of a grouped 3-D node is built from the
+    # weight's values, which needs a constant weight.
+    if not conv.output_mask[0] or conv.groups == 1:
         return None
-    own = geo.own_filter_reason(conv)
-    if own is None:
+    if geo.transpose_conv_applies_groups(conv.spatial_dims):
         return None
     weight = _weight_node(node)
     if not integration.get("is_parameter")(weight, target.edge_program):
         kind = "graph input" if weight.op == "placeholder" else f"computed by {weight.op}"
-        return _reject(
-            f"{own}; its weight is read at run time", f"weight={weight.name} is a {kind}"
-        )
-    if signature.is_trainable_parameter(weight, target.edge_program):
-        return _reject(
-            f"{own}; its weight is trainable (read at run time)", f"weight={weight.name}"
-        )
-    return None
+        why = f"weight={weight.name} is a {kind}"
+    elif signature.is_trainable_parameter(weight, target.edge_program):
+        why = f"weight={weight.name} is trainable"
+    else:
+        return None
+    return _reject(
+        f"a grouped {conv.spatial_dims}-D grad_input needs a block-diagonal filter built from "
+        "the weight's values, and this weight is read at run time",
+        why,
+    )
 
 
 @rule

@@ -138,4 +138,3 @@ def test_qnn_log_all_keeps_it(libraries):
         "1: <E> Failed to create device: socModel 14001",
         "2: <W> unexpected GraphHtpSettings option 66",
     ]
-

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import integration, options
+from . import integration, logs, options
 from .builders import conv_geometry as geo
 from .partition import cpu_kernel, support
 from .partition.target import Target
@@ -206,6 +206,7 @@ def enable(**overrides: Any) -> None:
             logger.warning("no usable QNN SDK (%s); partitioning works, compiling will not", err)
         options.update(**overrides)
         integration.install(_hooks())
+        logs.quiet_libraries()  # after install: executorch's modules are imported now
 
 
 def disable() -> None:

@@ -92,7 +92,7 @@ def _probe_htp(soc: str) -> int:
     return 0
 
 
-# A QNN log line on every HTP compile that does not mean failure (see the README).
+# A QNN log line on every HTP compile that does not mean failure (see docs/toolchain.md).
 _BENIGN = ("unexpected GraphHtpSettings option 66",)
 
 

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv, None)
     logs.quiet_libraries()
     with logs.filtered_native_output() as originals:
-        terminal = os.fdopen(os.dup(originals[2]), "w") if progress else None
+        terminal = os.fdopen(os.dup(originals[2]), "w") if progress and 2 in originals else None
         try:
             return _main(argv, terminal)
         finally:

@@ -178,7 +178,8 @@ def filtered_native_output(fds: tuple[int, ...] = (1, 2)) -> Iterator[dict[int, 
     A separate process rather than a thread: when this process crashes, the
     filter still reads everything written before the crash (the traceback
     included) and passes it on. Yields ``{fd: duplicate of the original fd}``,
-    for output that must bypass the filter (progress bars).
+    for output that must bypass the filter (progress bars); ``{}`` when the
+    descriptors cannot be redirected (output then passes unfiltered).
     """
     patterns = [p.decode() for p in NATIVE_CHATTER] + [NATIVE_ONCE.decode()]
     originals: dict[int, int] = {}
@@ -201,17 +202,27 @@ def filtered_native_output(fds: tuple[int, ...] = (1, 2)) -> Iterator[dict[int, 
             os.close(read)
             os.dup2(write, fd)
             os.close(write)
+    except OSError as err:  # e.g. a closed descriptor: run unfiltered
+        logger.debug("native output not filtered: %s", err)
+        _restore(originals, filters)
+        originals, filters = {}, []
+    try:
         yield dict(originals)
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(ValueError, OSError):
-                stream.flush()
-        for fd, original in originals.items():
-            os.dup2(original, fd)  # closes the pipe's last write end: the filter sees EOF
-        for proc in filters:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for original in originals.values():
-            os.close(original)
+        _restore(originals, filters)
+
+
+def _restore(originals: dict[int, int], filters: list[subprocess.Popen]) -> None:
+    """Flush, put the original descriptors back and let the filters drain."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(ValueError, OSError):
+            stream.flush()
+    for fd, original in originals.items():
+        os.dup2(original, fd)  # closes the pipe's last write end: the filter sees EOF
+    for proc in filters:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for original in originals.values():
+        os.close(original)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from . import delegate_io, integration, options, signature
+from . import delegate_io, integration, logs, options, signature
 from .builders import conv_geometry as geo
 from .partition import cpu_kernel, support, trainable
 from .partition.target import Target
@@ -231,6 +231,7 @@ def enable(**overrides: Any) -> None:
             logger.warning("no usable QNN SDK (%s); partitioning works, compiling will not", err)
         options.update(**overrides)
         integration.install(_hooks())
+        logs.quiet_libraries()  # after install: executorch's modules are imported now
 
 
 def disable() -> None:

@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib
 import logging
+import os
 import sys
+import threading
+from collections.abc import Iterator
+from typing import IO, Any
+
+from . import logs
 
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
@@ -22,10 +30,57 @@ COMMANDS = {
     ),
 }
 
+# Long calls the CLI shows progress for: (module, function, what it is doing).
+LONG_CALLS = (
+    ("qnn_convbwd.toolchain.harness", "lower_program", "lowering"),
+    ("qnn_convbwd.toolchain.harness", "lower_module", "lowering"),
+    ("qnn_convbwd.toolchain.harness", "run_pte", "running on the HTP simulator"),
+    ("qnn_convbwd.toolchain.saver", "record", "recording with the Saver backend"),
+    ("qnn_convbwd.toolchain.sdk", "probe_in_subprocess", "checking in a child process"),
+)
+
+
+def _pre_parse(argv: list[str]) -> argparse.Namespace:
+    """The options that matter before any subcommand module is imported."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("-v", "--verbose", action="store_true")
+    pre.add_argument("--no-progress", action="store_true")
+    return pre.parse_known_args(argv)[0]
+
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    early = _pre_parse(argv)
+    logging.basicConfig(
+        level=logging.INFO if early.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    # Progress only on a terminal, decided before the output is redirected.
+    progress = not early.no_progress and sys.stdout.isatty() and sys.stderr.isatty()
+    if early.verbose:
+        os.environ["QNN_CONVBWD_QNN_LOG"] = "all"  # the HTP shim keeps every QNN message
+        return _main(argv, None)
+    logs.quiet_libraries()
+    with logs.filtered_native_output() as originals:
+        terminal = os.fdopen(os.dup(originals[2]), "w") if progress and 2 in originals else None
+        try:
+            return _main(argv, terminal)
+        finally:
+            if terminal is not None:
+                terminal.close()
+
+
+def _main(argv: list[str], terminal: IO[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="qnn-convbwd", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="log at INFO level and show executorch's and QNN's own output",
+    )
+    parser.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (off unless on a terminal)"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     modules = {}
     broken: dict[str, str] = {}
@@ -42,11 +97,56 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in broken:
         print(f"qnn-convbwd {args.command}: cannot load {broken[args.command]}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
-    return int(modules[args.command].run(args) or 0)
+    with _progress(terminal):
+        return int(modules[args.command].run(args) or 0)
+
+
+@contextlib.contextmanager
+def _progress(terminal: IO[str] | None) -> Iterator[None]:
+    """Show a progress line with the elapsed time while one of ``LONG_CALLS`` runs."""
+    if terminal is None:
+        yield
+        return
+    from tqdm import tqdm
+
+    patched: list[tuple[Any, str, Any]] = []
+    depth = threading.local()
+
+    def wrap(function: Any, what: str) -> Any:
+        @functools.wraps(function)
+        def with_progress(*args: Any, **kwargs: Any) -> Any:
+            if getattr(depth, "value", 0):  # nested long call: the outer line is showing
+                return function(*args, **kwargs)
+            depth.value = 1
+            bar = tqdm(desc=what, file=terminal, leave=False, bar_format="{desc} ... {elapsed}")
+            stop = threading.Event()
+
+            def tick() -> None:
+                while not stop.wait(0.5):
+                    bar.refresh()
+
+            ticker = threading.Thread(target=tick, daemon=True)
+            ticker.start()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                stop.set()
+                ticker.join()
+                bar.close()
+                depth.value = 0
+
+        return with_progress
+
+    for module_name, name, what in LONG_CALLS:
+        module = importlib.import_module(module_name)
+        original = getattr(module, name)
+        patched.append((module, name, original))
+        setattr(module, name, wrap(original, what))
+    try:
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
 
 
 if __name__ == "__main__":

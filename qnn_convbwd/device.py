@@ -165,6 +165,9 @@ class Setup:
     runner: Path
     backend_lib: Path
     adb: str | None  # None: not looked up (dry run, build only)
+    # Dry run only: the SetupError message of each prerequisite not found; its path
+    # above is then the one a run would look at.
+    missing: tuple[str, ...] = ()
 
     @property
     def libraries(self) -> list[Path]:
@@ -179,14 +182,38 @@ def check_setup(
     backend_lib: str | os.PathLike | None = None,
     adb: str | None = None,
     need_adb: bool = True,
+    dry_run: bool = False,
 ) -> Setup:
-    """Check every prerequisite before any work; SetupError names the first one missing."""
+    """Check every prerequisite before any work; SetupError names the first one missing.
+
+    With ``dry_run`` a missing prerequisite (other than an unknown SoC) is no error:
+    the Setup carries the path a run would look at and ``missing`` says what is
+    missing and how to provide it.
+    """
     arch = soc_arch(soc)
-    sdk = resolve_sdk(qnn_sdk, arch)
-    runner_path = resolve_runner(runner, build_dir)
-    lib = resolve_backend_lib(backend_lib, build_dir, runner_path)
+    missing: list[str] = []
+
+    def resolve(find: Callable[[], Path], would_be: Path) -> Path:
+        try:
+            return find()
+        except SetupError as err:
+            if not dry_run:
+                raise
+            missing.append(str(err))
+            return would_be
+
+    sdk = resolve(lambda: resolve_sdk(qnn_sdk, arch), Path(qnn_sdk or "$QNN_SDK_ROOT"))
+    build = Path(build_dir or "$EXECUTORCH_BUILD_DIR")
+    runner_path = resolve(
+        lambda: resolve_runner(runner, build_dir),
+        Path(runner) if runner else build / RUNNER_IN_BUILD,
+    )
+    lib = resolve(
+        lambda: resolve_backend_lib(backend_lib, build_dir, runner_path),
+        Path(backend_lib) if backend_lib else build / BACKEND_LIB_IN_BUILD,
+    )
     adb_path = resolve_adb(adb) if need_adb else None
-    return Setup(soc, arch, sdk, runner_path, lib, adb_path)
+    return Setup(soc, arch, sdk, runner_path, lib, adb_path, tuple(missing))
 
 
 def sdk_build_id(sdk: Path) -> str | None:
@@ -276,18 +303,28 @@ class Plan:
         return cmds
 
     def describe(self) -> list[str]:
-        """Human-readable lines: every file used and every command, for ``--dry-run``."""
+        """Human-readable lines: every file used and every command, for ``--dry-run``.
+
+        Prerequisites that do not exist are marked ``[missing]``; the programs and
+        inputs a run writes are not.
+        """
+        setup = self.setup
+
+        def mark(path: Path, exists: bool) -> str:
+            return f"{path}" if exists else f"{path} [missing]"
+
+        written = {*map(self.pte, PROGRAMS), *self.input_files, self.input_list}
         lines = [
-            f"soc: {self.setup.soc} (HTP v{self.setup.arch})",
-            f"QNN SDK: {self.setup.sdk}",
-            f"runner: {self.setup.runner}",
-            f"backend library: {self.setup.backend_lib}",
-            f"adb: {self.setup.adb or 'adb (looked up on PATH when not a dry run)'}",
+            f"soc: {setup.soc} (HTP v{setup.arch})",
+            f"QNN SDK: {mark(setup.sdk, setup.sdk.is_dir())}",
+            f"runner: {mark(setup.runner, setup.runner.is_file())}",
+            f"backend library: {mark(setup.backend_lib, setup.backend_lib.is_file())}",
+            f"adb: {setup.adb or 'adb (looked up on PATH when not a dry run)'}",
             f"host directory: {self.out}",
             f"device directory: {self.workspace}",
             "files pushed:",
         ]
-        lines += [f"  {f}" for f in self.push_files()]
+        lines += [f"  {mark(f, f in written or f.is_file())}" for f in self.push_files()]
         lines.append("commands:")
         lines += [f"  {shlex.join(c)}" for c in self.commands()]
         return lines

@@ -2,7 +2,7 @@
 
 executorch exposes no plugin API for QNN node visitors or passes, so the plugin
 uses names that are internal to ``executorch.backends.qualcomm``. Each is listed
-in ``INTERNALS`` (and in the README). ``check_internals()`` resolves all of them
+in ``INTERNALS`` (and in docs/internals.md). ``check_internals()`` resolves all of them
 up front and fails with one message naming the executorch version and every
 missing name, instead of an AttributeError deep inside a lowering.
 

@@ -13,6 +13,7 @@ autograd and the HTP vs CPU latency.
     python scripts/run_on_device.py --soc SM8850 --runner ./qnn_executor_runner --dry-run
 
 Exit codes: 0 success, 1 device run failed or outputs off, 2 a prerequisite is missing.
+A dry run needs none of them: it prints the plan, marks what is missing and exits 0.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             backend_lib=args.backend_lib,
             adb=args.adb,
             need_adb=not offline,
+            dry_run=args.dry_run,
         )
     except device.SetupError as err:
         print(f"error: {err}", file=sys.stderr)
@@ -112,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         print("would write:", ", ".join(map(str, written)))
         for line in plan.describe():
             print(line)
+        if setup.missing:
+            print("missing (a run stops here with exit code 2):")
+            for reason in setup.missing:
+                print(f"  {reason}")
         return 0
 
     built = device.build(graph, plan)

@@ -1,4 +1,11 @@
-"""Shared fixtures. Tests marked ``htp`` need the real QNN compiler and simulator."""
+"""Shared fixtures and the test tiers.
+
+``htp``: needs the real QNN compiler, simulator or Saver. Every test using the
+``qnn_sdk`` fixture (directly or through another fixture) gets the mark here;
+tests that reach the toolchain otherwise carry it explicitly.
+``slow``: long runs, skipped unless ``--slow`` is given.
+``python -m pytest -m "not htp"`` is the quick tier (no QNN compile).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,9 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "qnn_sdk" in getattr(item, "fixturenames", ()) and "htp" not in item.keywords:
+            item.add_marker(pytest.mark.htp)
     if config.getoption("--slow"):
         return
     skip = pytest.mark.skip(reason="long run: select with --slow")

@@ -2,9 +2,10 @@
 computes torch's numbers, or stays on CPU with one logged reason, and none
 breaks the lowering.
 
-Three tiers, cheapest first (example counts: default run / ``--slow``):
+Three tiers, cheapest first. Each runs at a default size and as a long run
+marked ``slow`` (skipped unless ``--slow``); example counts default / long:
 
-1. ``test_decisions`` (300 / 3000): ``decide`` on the exported node agrees with
+1. ``test_decisions`` (150 / 3000): ``decide`` on the exported node agrees with
    an independent reading of the configuration, logs one line per rejection,
    and for delegated nodes the transposed-convolution plan reproduces
    ``aten.convolution_backward``'s grad_input (through a model of QNN
@@ -58,8 +59,14 @@ STATS: dict = collections.defaultdict(collections.Counter)
 WORST: dict[str, float] = collections.defaultdict(float)
 
 
-def _examples(request, default: int, slow: int) -> int:
-    return slow if request.config.getoption("--slow") else default
+# Every property test runs at its default size and, marked slow, as a long run.
+RUN_SIZES = pytest.mark.parametrize(
+    "size", ["default", pytest.param("long", marks=pytest.mark.slow)]
+)
+
+
+def _examples(size: str, default: int, long: int) -> int:
+    return long if size == "long" else default
 
 
 def _settings(n: int):
@@ -527,8 +534,9 @@ def target_for(soc: str) -> Target:
     return _TARGETS[soc]
 
 
-def test_decisions(request):
-    n = _examples(request, 300, 3000)
+@RUN_SIZES
+def test_decisions(size):
+    n = _examples(size, 150, 3000)
     stats = STATS["1 decisions"]
 
     @_settings(n)
@@ -577,11 +585,12 @@ def _qnn_edge(program, specs):
 
 
 @pytest.mark.htp
-def test_visitor_and_validation(request, qnn_sdk, plugin):
+@RUN_SIZES
+def test_visitor_and_validation(size, qnn_sdk, plugin):
     from executorch.backends.qualcomm.partition.qnn_partitioner import QnnOperatorSupport
     from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
 
-    n = _examples(request, 15, 100)
+    n = _examples(size, 15, 100)
     stats = STATS["2 visitor + validation"]
 
     @_settings(n)
@@ -629,10 +638,11 @@ def test_visitor_and_validation(request, qnn_sdk, plugin):
 
 
 @pytest.mark.htp
-def test_compiled(request, qnn_sdk):
+@RUN_SIZES
+def test_compiled(size, qnn_sdk):
     from qnn_convbwd.toolchain import harness
 
-    n = _examples(request, 15, 100)
+    n = _examples(size, 15, 100)
     stats = STATS["3 compiled + run"]
 
     @_settings(n)

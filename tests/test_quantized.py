@@ -281,6 +281,7 @@ def _decide_on_plain_edge(program) -> support.Decision:
     return support.decide(node, target, log=False)
 
 
+@pytest.mark.htp  # executorch's QnnQuantizer reads the QAIRT version from the SDK's libraries
 def test_dequantize_producer_is_the_second_line():
     """Without QCOM_QUANT_ATTRS (no AnnotateQuantAttrs ran), a dequantize producer still tells."""
     _, _, program, _ = _quantized_saliency()

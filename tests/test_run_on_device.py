@@ -121,6 +121,42 @@ def test_dry_run_without_adb_on_path_still_prints(script, env, capsys, monkeypat
     assert "adb (looked up on PATH when not a dry run)" in capsys.readouterr().out
 
 
+def test_dry_run_without_sdk_or_build_prints_the_plan_and_marks_what_is_missing(
+    script, env, capsys
+):
+    assert script.main(["--soc", "SM8850", "--out", str(env["out"]), "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
+    sdk_libs = [line.strip() for line in out if line.startswith("  $QNN_SDK_ROOT/lib/")]
+    assert sdk_libs == [
+        f"{lib} [missing]" for lib in device.device_libraries(Path("$QNN_SDK_ROOT"), 81)
+    ]
+    assert "QNN SDK: $QNN_SDK_ROOT [missing]" in out
+    runner = Path("$EXECUTORCH_BUILD_DIR") / device.RUNNER_IN_BUILD
+    assert f"runner: {runner} [missing]" in out
+    assert f"  {env['out'] / 'htp.pte'}" in out  # written by a run: not marked
+    missing = out[out.index("missing (a run stops here with exit code 2):") + 1 :]
+    assert [m.strip().split(" not found")[0] for m in missing] == [
+        "QNN SDK",
+        "qnn_executor_runner",
+        "libqnn_executorch_backend.so",
+    ]
+    assert not captured.err.strip() or "error" not in captured.err
+    assert not env["out"].exists()
+
+
+def test_dry_run_with_an_sdk_lacking_the_socs_arch_marks_only_those_libraries(
+    script, env, capsys, tmp_path
+):
+    only75 = make_sdk(tmp_path / "only75", 75)
+    argv = ["--soc", "SM8850", "--qnn-sdk", str(only75), "--build-dir", str(env["build"])]
+    assert script.main([*argv, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    marked = sorted(Path(line.split()[0]).name for line in out.splitlines() if "[missing]" in line)
+    assert marked == ["libQnnHtpV81Skel.so", "libQnnHtpV81Stub.so"]
+    assert "only75 lacks lib/aarch64-android/libQnnHtpV81Stub.so and 1 more" in out
+
+
 def test_runner_found_by_search_and_backend_lib_beside_it(tmp_path):
     build = tmp_path / "b"
     runner = build / "somewhere/else/qnn_executor_runner"
@@ -133,6 +169,7 @@ def test_runner_found_by_search_and_backend_lib_beside_it(tmp_path):
 
 
 # --- prerequisite errors: exit 2, one line naming what is missing and how to provide it ---
+# (checked with --build-only: a dry run reports them and exits 0, see below)
 
 
 def test_unknown_soc(script, env, capsys):
@@ -143,7 +180,7 @@ def test_unknown_soc(script, env, capsys):
 
 
 def test_missing_sdk(script, env, capsys):
-    argv = ["--soc", "SM8850", "--build-dir", str(env["build"]), "--dry-run"]
+    argv = ["--soc", "SM8850", "--build-dir", str(env["build"]), "--build-only"]
     assert script.main(argv) == 2
     assert stderr_line(capsys) == (
         "error: QNN SDK not found: set QNN_SDK_ROOT or pass --qnn-sdk DIR "
@@ -153,7 +190,7 @@ def test_missing_sdk(script, env, capsys):
 
 def test_sdk_from_environment_without_the_socs_arch(script, env, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("QNN_SDK_ROOT", str(make_sdk(tmp_path / "only75", 75)))
-    argv = ["--soc", "SM8850", "--build-dir", str(env["build"]), "--dry-run"]
+    argv = ["--soc", "SM8850", "--build-dir", str(env["build"]), "--build-only"]
     assert script.main(argv) == 2
     line = stderr_line(capsys)
     assert "only75 lacks lib/aarch64-android/libQnnHtpV81Stub.so and 1 more" in line
@@ -161,7 +198,7 @@ def test_sdk_from_environment_without_the_socs_arch(script, env, capsys, monkeyp
 
 
 def test_missing_runner(script, env, capsys):
-    argv = ["--soc", "SM8850", "--qnn-sdk", str(env["sdk"]), "--dry-run"]
+    argv = ["--soc", "SM8850", "--qnn-sdk", str(env["sdk"]), "--build-only"]
     assert script.main(argv) == 2
     assert stderr_line(capsys) == (
         "error: qnn_executor_runner not found: pass --runner PATH or --build-dir DIR "
@@ -171,14 +208,22 @@ def test_missing_runner(script, env, capsys):
 
 def test_runner_path_that_does_not_exist(script, env, capsys, tmp_path):
     argv = ["--soc", "SM8850", "--qnn-sdk", str(env["sdk"]), "--runner", str(tmp_path / "nope")]
-    assert script.main([*argv, "--dry-run"]) == 2
+    assert script.main([*argv, "--build-only"]) == 2
     assert stderr_line(capsys).startswith(f"error: qnn_executor_runner not found at {tmp_path}")
 
 
 def test_missing_backend_library(script, env, capsys, tmp_path):
     runner = tmp_path / "qnn_executor_runner"
     runner.write_bytes(b"x")
-    argv = ["--soc", "SM8850", "--qnn-sdk", str(env["sdk"]), "--runner", str(runner), "--dry-run"]
+    argv = [
+        "--soc",
+        "SM8850",
+        "--qnn-sdk",
+        str(env["sdk"]),
+        "--runner",
+        str(runner),
+        "--build-only",
+    ]
     assert script.main(argv) == 2
     line = stderr_line(capsys)
     assert line.startswith("error: libqnn_executorch_backend.so not found")

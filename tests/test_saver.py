@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from qnn_convbwd.toolchain import saver
+from qnn_convbwd.toolchain import saver, sdk
 
 pytestmark = pytest.mark.htp
 
@@ -170,3 +170,34 @@ def test_joint_graph_transpose_conv_reads_the_forward_weight(qnn_sdk):
         # Exactly one static tensor holds this weight's values (whatever its layout).
         values = params[_param_name(joint.program, weight)].detach().numpy().ravel()
         assert [name for name in static if _holds(graph, name, values)] == [weight]
+
+
+TWO_SAVER_LOWERINGS = """
+import os, sys
+import torch
+import qnn_convbwd
+from qnn_convbwd.toolchain import harness, saver
+
+qnn_convbwd.enable()
+program = torch.export.export(torch.nn.Conv2d(2, 4, 3), (torch.randn(1, 2, 6, 6),))
+for attempt in ("first", "second"):
+    os.makedirs(attempt)
+    os.chdir(attempt)  # executorch writes ./saver_output
+    try:
+        qnn_convbwd.lower(program, harness.compile_specs("SM8650", saver=True))
+    except SystemExit as stop:  # executorch's exit() after the Saver recorded the partition
+        assert saver.SAVER_EXIT_MESSAGE in str(stop.code), stop.code
+    graph = saver.load(saver.SAVER_DIR)
+    print(attempt, [op.type for op in graph.ops])
+    os.chdir("..")
+"""
+
+
+def test_two_saver_lowerings_in_one_process(qnn_sdk):
+    # The Saver accepts one initialization per load of its library; the process keeps
+    # the Saver loader shim loaded, which loads the real Saver afresh for each session.
+    proc = sdk.probe_in_subprocess(TWO_SAVER_LOWERINGS)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["first", "second"], proc.stdout
+    assert all("'Conv2d'" in line for line in lines), proc.stdout

@@ -92,7 +92,7 @@ def _probe_htp(soc: str) -> int:
     return 0
 
 
-# A QNN log line on every HTP compile that does not mean failure (see the README).
+# A QNN log line on every HTP compile that does not mean failure (see docs/toolchain.md).
 _BENIGN = ("unexpected GraphHtpSettings option 66",)
 
 
@@ -206,6 +206,7 @@ def diagnose(soc: str = "SM8650", *, backends: bool = True, timeout: float = 600
         "shim": None if info.shim is None else str(info.shim),
         "shim_reason": info.shim_reason,
         "shim_build_seconds": info.shim_build_seconds,
+        "saver_shim": None if info.saver_shim is None else str(info.saver_shim),
     }
     checks = [Check("loaded library", loaded == info.build_id, f"build id {loaded}")]
     if backends:
@@ -232,6 +233,7 @@ def format_report(report: dict) -> str:
         f"{'loaded build id':<20}{sdk['build_id_loaded']} "
         f"({'matches' if sdk['build_ids_match'] else 'DIFFERS from the file'})",
         f"{'HTP shim':<20}{shim}",
+        f"{'Saver shim':<20}{sdk.get('saver_shim') or 'none (the SDK has no libQnnSaver.so)'}",
         f"checks (SoC {report['soc']}, each backend in a child process):",
     ]
     for check in report["checks"]:

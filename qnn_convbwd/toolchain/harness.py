@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from .. import logs
 from .sdk import ensure_sdk
 
 # SoCs the tests and benchmarks use, with their HTP architecture.
@@ -40,6 +41,7 @@ def compile_specs(soc: str = "SM8650", *, fp16: bool = True, saver: bool = False
     except AttributeError:
         known = [c.name for c in QcomChipset]
         raise ValueError(f"unknown SoC {soc!r}; executorch knows {known}") from None
+    logs.quiet_libraries()  # executorch's partitioner set its logger to DEBUG on import
     return generate_qnn_executorch_compiler_spec(
         chipset, generate_htp_compiler_spec(use_fp16=fp16), saver=saver
     )

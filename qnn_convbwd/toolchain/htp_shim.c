@@ -20,7 +20,15 @@
  * Link with -Wl,-soname,libQnnHtp.so -Wl,-z,nodelete so that a later
  * dlopen("libQnnHtp.so") resolves to this object, never to the real library.
  *
- * Set QNN_CONVBWD_SHIM_TRACE=1 to log every custom config it sees to stderr.
+ * It also wraps the provider's logCreate so that exactly one known-harmless
+ * message of the HTP library is dropped: "<E> unexpected GraphHtpSettings
+ * option 66", logged at error level during every graph creation for one of
+ * the library's own settings (it appears with no graph configs at all, and
+ * graph creation then succeeds). Every other message reaches executorch's
+ * callback unchanged. QNN_CONVBWD_QNN_LOG=all keeps that message too.
+ *
+ * Set QNN_CONVBWD_SHIM_TRACE=1 to log every custom config it sees (and every
+ * dropped message) to stderr.
  *
  * Only layout facts from the public QNN API are used here; no QNN header is
  * included or copied.
@@ -28,6 +36,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -47,11 +56,15 @@ typedef qnn_status_t (*get_providers_fn)(const void ***providers, uint32_t *coun
 typedef qnn_status_t (*device_create_fn)(void *logger, const void **configs, void **device);
 typedef qnn_status_t (*graph_create_fn)(void *context, const char *name, const void **configs,
                                         void **graph);
+/* QnnLog_Callback_t and QnnLog_CreateFn_t. */
+typedef void (*log_callback_fn)(const char *fmt, int level, uint64_t timestamp, va_list args);
+typedef qnn_status_t (*log_create_fn)(log_callback_fn callback, int max_level, void **logger);
 
 /* QnnInterface_t: uint32 backendId, (pad), const char *providerName,
  * Qnn_ApiVersion_t (two 3 x uint32 versions) -> function table at byte 40. */
 #define INTERFACE_TABLE_OFFSET 40
 #define SLOT_GRAPH_CREATE 15
+#define SLOT_LOG_CREATE 25
 #define SLOT_DEVICE_CREATE 40
 
 /* QnnDevice_Config_t / QnnGraph_Config_t: uint32 option, union at byte 8.
@@ -69,6 +82,8 @@ typedef qnn_status_t (*graph_create_fn)(void *context, const char *name, const v
 
 static device_create_fn real_device_create;
 static graph_create_fn real_graph_create;
+static log_create_fn real_log_create;
+static log_callback_fn client_log_callback; /* executorch's LoggingCallback */
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static int tracing = -1;
 
@@ -148,6 +163,41 @@ static qnn_status_t shim_graph_create(void *context, const char *name, const voi
   return real_graph_create(context, name, configs, graph);
 }
 
+/* QnnLog_Level_t QNN_LOG_LEVEL_ERROR */
+#define LOG_LEVEL_ERROR 1
+#define LOG_BUFFER_BYTES 512
+static const char HARMLESS_MESSAGE[] = "unexpected GraphHtpSettings option 66";
+
+static int keep_every_message(void) {
+  const char *v = getenv("QNN_CONVBWD_QNN_LOG");
+  return v != NULL && strcmp(v, "all") == 0;
+}
+
+static void shim_log_callback(const char *fmt, int level, uint64_t timestamp, va_list args) {
+  if (level == LOG_LEVEL_ERROR && !keep_every_message()) {
+    char message[LOG_BUFFER_BYTES];
+    va_list copy;
+    va_copy(copy, args);
+    vsnprintf(message, sizeof message, fmt, copy);
+    va_end(copy);
+    if (strstr(message, HARMLESS_MESSAGE) != NULL) {
+      if (trace_enabled()) fprintf(stderr, "[qnn_convbwd shim] dropped: %s\n", message);
+      return;
+    }
+  }
+  client_log_callback(fmt, level, timestamp, args);
+}
+
+static qnn_status_t shim_log_create(log_callback_fn callback, int max_level, void **logger) {
+  pthread_mutex_lock(&lock);
+  int wrap = callback != NULL &&
+             (client_log_callback == NULL || client_log_callback == callback);
+  if (wrap) client_log_callback = callback;
+  pthread_mutex_unlock(&lock);
+  /* A second, different client callback is passed through unfiltered. */
+  return real_log_create(wrap ? shim_log_callback : callback, max_level, logger);
+}
+
 static int patch_slot(const void *provider, int slot, void *replacement, void **original) {
   void **entry = (void **)((char *)provider + INTERFACE_TABLE_OFFSET) + slot;
   if (*entry == replacement) return 0; /* already patched */
@@ -191,6 +241,8 @@ __attribute__((visibility("default"))) qnn_status_t QnnInterface_getProviders(
       const void *p = (*providers)[i];
       if (patch_slot(p, SLOT_DEVICE_CREATE, (void *)shim_device_create,
                      (void **)&real_device_create) != 0 ||
+          patch_slot(p, SLOT_LOG_CREATE, (void *)shim_log_create, (void **)&real_log_create) !=
+              0 ||
           (trace_enabled() && patch_slot(p, SLOT_GRAPH_CREATE, (void *)shim_graph_create,
                                          (void **)&real_graph_create) != 0)) {
         status = 1;

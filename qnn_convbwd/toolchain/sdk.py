@@ -6,9 +6,10 @@ Order of preference:
 2. Otherwise a root assembled from the ``onnxruntime-qnn`` wheel (QAIRT x86-64
    libraries) in a user cache directory: ``<cache>/sdk-<key>/lib/x86_64-linux-clang``
    holds links to the wheel's libraries, and its ``libQnnHtp.so`` is the
-   compatibility shim (``htp_shim.c``) when the libraries need it. ``<key>``
-   fingerprints the wheel's libraries and the shim source, so a changed shim
-   source is rebuilt into a new root. ``ensure_sdk`` exports ``QNN_SDK_ROOT``
+   compatibility shim (``htp_shim.c``) when the libraries need it; its ``libQnnSaver.so``
+   is the Saver loader shim (``saver_shim.c``). ``<key>`` fingerprints the
+   wheel's libraries and the shim sources, so a changed shim source is rebuilt
+   into a new root. ``ensure_sdk`` exports ``QNN_SDK_ROOT``
    for executorch; a child process that inherits it recognises the root by
    its marker file (``MARKER``) and takes this path again rather than treating
    the root as a user's SDK.
@@ -24,7 +25,10 @@ module also loads the libraries executorch later opens by bare name
 (``libQnnHtp.so``, ``libQnnSystem.so``, ``libQnnSaver.so``) by absolute path;
 a later ``dlopen`` of the bare name then finds the already loaded object by its
 SONAME. ``torch`` and executorch's adaptor must be imported first (loading
-``libQnnSystem.so`` before ``torch`` crashes the process).
+``libQnnSystem.so`` before ``torch`` crashes the process). The Saver is the
+exception: it accepts one initialization per load of its library, so what stays
+loaded under its name is the Saver loader shim, which loads the real Saver
+afresh for every Saver session (two Saver lowerings in one process).
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ logger = logging.getLogger(__name__)
 
 HOST_LIB_DIR = Path("lib") / "x86_64-linux-clang"
 SHIM_SOURCE = Path(__file__).with_name("htp_shim.c")
+# Answers to libQnnSaver.so and loads the real Saver afresh for each session (see the file).
+SAVER_SHIM_SOURCE = Path(__file__).with_name("saver_shim.c")
 # First QAIRT release whose HTP device custom config carries the payload at byte 8.
 SHIM_FROM_VERSION = (2, 47)
 # Libraries executorch opens by bare name; loaded here by absolute path.
@@ -70,6 +76,7 @@ class SdkInfo:
     shim: Path | None  # compiled shim, None when not needed or disabled
     shim_reason: str
     shim_build_seconds: float | None  # None when taken from the cache
+    saver_shim: Path | None = None  # answers to libQnnSaver.so; None when the SDK has no Saver
 
     @property
     def lib_dir(self) -> Path:
@@ -117,6 +124,7 @@ def _fingerprint(*paths: Path) -> str:
         stat = path.stat()
         digest.update(f"{path.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode())
     digest.update(SHIM_SOURCE.read_bytes())
+    digest.update(SAVER_SHIM_SOURCE.read_bytes())
     return digest.hexdigest()[:16]
 
 
@@ -129,6 +137,20 @@ def _compiler() -> str:
 
 def build_shim(real_htp: Path, out: Path, payload_shift: int = 4) -> float:
     """Compile ``htp_shim.c`` against ``real_htp`` into ``out``; return seconds spent."""
+    defines = [
+        f'-DQNN_CONVBWD_REAL_HTP="{real_htp}"',
+        f"-DQNN_CONVBWD_PAYLOAD_SHIFT={payload_shift}",
+    ]
+    return _compile(SHIM_SOURCE, "libQnnHtp.so", defines, out)
+
+
+def build_saver_shim(real_saver: Path, out: Path) -> float:
+    """Compile ``saver_shim.c`` against ``real_saver`` into ``out``; return seconds spent."""
+    defines = [f'-DQNN_CONVBWD_REAL_SAVER="{real_saver}"']
+    return _compile(SAVER_SHIM_SOURCE, "libQnnSaver.so", defines, out)
+
+
+def _compile(source: Path, soname: str, defines: list[str], out: Path) -> float:
     import time
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -142,20 +164,19 @@ def build_shim(real_htp: Path, out: Path, payload_shift: int = 4) -> float:
         "-Wall",
         "-Wextra",
         "-Werror",
-        f'-DQNN_CONVBWD_REAL_HTP="{real_htp}"',
-        f"-DQNN_CONVBWD_PAYLOAD_SHIFT={payload_shift}",
-        "-Wl,-soname,libQnnHtp.so",
+        *defines,
+        f"-Wl,-soname,{soname}",
         "-Wl,-z,nodelete",
         "-o",
         str(tmp),
-        str(SHIM_SOURCE),
+        str(source),
         "-ldl",
         "-lpthread",
     ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise SdkUnavailable(f"building the HTP shim failed: {' '.join(cmd)}\n{proc.stderr}")
+        raise SdkUnavailable(f"building {source.name} failed: {' '.join(cmd)}\n{proc.stderr}")
     os.replace(tmp, out)  # atomic: concurrent processes never see a half-written file
     return time.perf_counter() - start
 
@@ -214,7 +235,7 @@ def _assemble_from_wheel(build_id: str, wants_shim: bool) -> tuple[Path, Path | 
     lib_dir = root / HOST_LIB_DIR
     lib_dir.mkdir(parents=True, exist_ok=True)
     for lib in wheel.glob("*.so"):
-        if lib.name == "libQnnHtp.so" and wants_shim:
+        if (lib.name == "libQnnHtp.so" and wants_shim) or lib.name == "libQnnSaver.so":
             continue
         _link(lib, lib_dir / lib.name)
     # The wheel's libraries find their C++ runtime through $ORIGIN/../onnxruntime_qnn.libs.
@@ -232,7 +253,20 @@ def _assemble_from_wheel(build_id: str, wants_shim: bool) -> tuple[Path, Path | 
         if not shim.exists():
             seconds = build_shim(real_htp, shim)
             logger.info("built HTP shim %s in %.2f s", shim, seconds)
+    _saver_shim(wheel / "libQnnSaver.so", lib_dir / "libQnnSaver.so")
     return root, shim, seconds
+
+
+def _saver_shim(real_saver: Path, shim: Path) -> Path | None:
+    """The Saver loader shim for ``real_saver`` at ``shim`` (built once); None without a Saver."""
+    if not real_saver.exists():
+        return None
+    if shim.is_symlink():  # a link to the real Saver, left by an older version
+        shim.unlink()
+    if not shim.exists():
+        seconds = build_saver_shim(real_saver, shim)
+        logger.info("built Saver loader shim %s in %.2f s", shim, seconds)
+    return shim
 
 
 def _shim_for_user_sdk(real_htp: Path) -> tuple[Path, float | None]:
@@ -284,21 +318,37 @@ def ensure_sdk() -> SdkInfo:
             build_id = read_build_id(real_htp)
             wants, reason = _shim_wanted(build_id)
             shim, seconds = _shim_for_user_sdk(real_htp) if wants else (None, None)
-            info = SdkInfo(root, "QNN_SDK_ROOT", real_htp, build_id, shim, reason, seconds)
+            saver = _saver_shim(
+                root / HOST_LIB_DIR / "libQnnSaver.so",
+                cache_dir() / f"saver-{_fingerprint(real_htp)}" / "libQnnSaver.so",
+            )
+            info = SdkInfo(root, "QNN_SDK_ROOT", real_htp, build_id, shim, reason, seconds, saver)
         else:
             wheel_htp = _wheel_lib_dir() / "libQnnHtp.so"
             build_id = read_build_id(wheel_htp)
             wants, reason = _shim_wanted(build_id)
             root, shim, seconds = _assemble_from_wheel(build_id, wants)
+            saver = root / HOST_LIB_DIR / "libQnnSaver.so"
             info = SdkInfo(
-                root, "onnxruntime-qnn wheel", wheel_htp, build_id, shim, reason, seconds
+                root,
+                "onnxruntime-qnn wheel",
+                wheel_htp,
+                build_id,
+                shim,
+                reason,
+                seconds,
+                saver if saver.exists() else None,
             )
             # For executorch (skips its SDK download) and for child processes.
             os.environ["QNN_SDK_ROOT"] = str(root)
             _prepend_env("LD_LIBRARY_PATH", str(info.lib_dir))
-        preload = [info.shim] if info.shim else []
-        preload += [
-            info.lib_dir / n for n in PRELOAD_LIBS if not (info.shim and n == "libQnnHtp.so")
+        # A shim stands in for its library; the real Saver is never kept loaded (a loaded
+        # Saver cannot be initialized twice), so without its shim it is not preloaded.
+        stand_ins = {"libQnnHtp.so": info.shim, "libQnnSaver.so": info.saver_shim}
+        preload = [
+            stand_ins.get(name) or info.lib_dir / name
+            for name in PRELOAD_LIBS
+            if name != "libQnnSaver.so" or info.saver_shim is not None
         ]
         _preload(preload)
         logger.info(

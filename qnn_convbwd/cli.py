@@ -35,6 +35,8 @@ LONG_CALLS = (
     ("qnn_convbwd.toolchain.harness", "lower_program", "lowering"),
     ("qnn_convbwd.toolchain.harness", "lower_module", "lowering"),
     ("qnn_convbwd.toolchain.harness", "run_pte", "running on the HTP simulator"),
+    ("qnn_convbwd.api", "lower", "lowering"),
+    ("qnn_convbwd.training", "train_side_by_side", "training on the HTP simulator"),
     ("qnn_convbwd.toolchain.saver", "record", "recording with the Saver backend"),
     ("qnn_convbwd.toolchain.sdk", "probe_in_subprocess", "checking in a child process"),
 )

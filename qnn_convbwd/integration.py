@@ -89,7 +89,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}._passes.layout_transform", "LayoutTransform.layout_sensitive_ops", "op added"),
     (f"{_QC}._passes.layout_transform", "LayoutTransform.is_edge_condition", "patched"),
     (f"{_QC}._passes.layout_transform", "LayoutTransform.mark_as_transformed", "patched"),
-    (f"{_QC}.qnn_preprocess", "QnnBackend._build_op_wrappers", "observed by capture_qnn_graphs"),
+    (
+        f"{_QC}.qnn_preprocess",
+        "QnnBackend._build_op_wrappers",
+        "patched: delegate output order checked; observed by capture_qnn_graphs",
+    ),
     (f"{_QC}.python.PyQnnManagerAdaptor", "PyQnnOpWrapper", "builds QNN ops"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_TensorType_t", "QNN tensor types"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_DataType_t", "QNN data types"),

@@ -10,22 +10,15 @@ both curves.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 from . import api, models, training
 from .toolchain import harness
-
-try:
-    # Imported before any QNN library is loaded: importing matplotlib after executorch's
-    # QNN runtime has started crashes the process (measured with matplotlib 3.11 and
-    # QAIRT 2.51: a segfault inside matplotlib's own module import).
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as _pyplot
-except ImportError:  # plots are optional
-    _pyplot = None
 
 # model -> (default learning rate, what it is)
 MODELS = {
@@ -102,24 +95,48 @@ def print_steps(run: training.TrainingRun) -> None:
     )
 
 
+_PLOT = """
+import json, sys
+import matplotlib
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+data = json.load(sys.stdin)
+steps = range(len(data["torch"]))
+figure, axes = plt.subplots(figsize=(6, 3.5))
+axes.plot(steps, data["torch"], "o-", label="torch eager fp32 + SGD")
+axes.plot(steps, data["htp"], "x--", label="ExecuTorch TrainingModule, HTP")
+axes.set_xticks(list(steps))
+axes.set_xlabel("step")
+axes.set_ylabel("loss")
+axes.set_title(data["title"], fontsize=9)
+axes.legend()
+figure.tight_layout()
+figure.savefig(data["path"], dpi=100)
+"""
+
+
 def plot(run: training.TrainingRun, title: str, path: Path) -> Path | None:
-    """PNG of both loss curves; None when matplotlib is not installed."""
-    plt = _pyplot
-    if plt is None:
+    """PNG of both loss curves; None when matplotlib is not installed.
+
+    Drawn in a child process: importing matplotlib into a process where
+    executorch's runtime has loaded the QNN libraries crashes it (measured with
+    matplotlib 3.11, executorch 1.5.1: a segfault in matplotlib's font module
+    import, also without this plugin's code on the path).
+    """
+    if importlib.util.find_spec("matplotlib") is None:
         return None
-    steps = range(len(run.steps))
-    figure, axes = plt.subplots(figsize=(6, 3.5))
-    axes.plot(steps, [s.reference_loss for s in run.steps], "o-", label="torch eager fp32 + SGD")
-    axes.plot(steps, [s.loss for s in run.steps], "x--", label="ExecuTorch TrainingModule, HTP")
-    axes.set_xticks(list(steps))
-    axes.set_xlabel("step")
-    axes.set_ylabel("loss")
-    axes.set_title(title, fontsize=9)
-    axes.legend()
-    figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    data = {
+        "torch": [s.reference_loss for s in run.steps],
+        "htp": [s.loss for s in run.steps],
+        "title": title,
+        "path": str(path),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", _PLOT], input=json.dumps(data), capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"plotting failed: {done.stderr[-1000:]}")
     return path
 
 

@@ -23,8 +23,8 @@ from .target import Target
 logger = logging.getLogger(__name__)
 
 OP = "max_pool2d_with_indices_backward"
-# V68 runs the grad path of the conv lowering on CPU too (support.MIN_HTP_ARCH);
-# the window masks were measured on V69 to V81 only (docs/max_pool.md).
+# Measured with QAIRT 2.51 (docs/max_pool.md): V69 to V81 compile the window masks;
+# V68 cannot create the float ElementWiseSelect ("could not create op: q::Select.exe").
 MIN_HTP_ARCH = 69
 FLOAT_DTYPES = (torch.float32, torch.float16)
 # Window offsets become one Equal/Select/Pad/Add chain each: bound the graph size.
@@ -83,7 +83,7 @@ def htp_arch_supported(node, pool, target):
     if target.htp_arch is None or target.htp_arch < MIN_HTP_ARCH:
         return Rejection(
             "",
-            f"HTP arch below V{MIN_HTP_ARCH}: the window-mask lowering is not measured there",
+            f"HTP arch below V{MIN_HTP_ARCH} cannot compile the window masks' float Select",
             f"soc={target.soc}, arch=V{target.htp_arch}",
         )
     return None

@@ -36,6 +36,8 @@ ZOO_CONFIGS = {
     "k3s2_ceil_squeezenet": ((3, 3), (2, 2), (0, 0), (1, 1), True, (10, 10)),
     "k3s1p1_overlap": ((3, 3), (1, 1), (1, 1), (1, 1), False, (7, 7)),
     "k2x3_s1x2_p1x0_d2x1": ((2, 3), (1, 2), (1, 0), (2, 1), False, (9, 8)),
+    # dilation 2 = stride: every offset in phase 0, the window_masks placement is used
+    "k2s2d2_empty_phase": ((2, 2), (2, 2), (0, 0), (2, 2), False, (9, 9)),
 }
 
 
@@ -88,6 +90,40 @@ def _window_masks_numpy(pool: pg.MaxPoolBackward, indices: np.ndarray, grad: np.
     return canvas[(slice(None), slice(None), *crop)]
 
 
+def _phases_numpy(pool: pg.MaxPoolBackward, indices: np.ndarray, grad: np.ndarray):
+    """The ``phases`` placement (coarse shifts, per-dim interleave, crop) in numpy, NCHW."""
+    plane = pg.IndexPlane(pool.in_sizes, (0, 0))
+    coarse = pool.coarse_sizes()
+    sums: dict = {}
+    for offset, (phase, shift) in pool.phases().items():
+        table = mpb.window_table(pool, plane, offset)[..., 0][:, None]
+        picked = np.where(indices == table, grad, 0)
+        after = [m - o - q for m, o, q in zip(coarse, pool.out_sizes, shift)]
+        placed = np.pad(picked, [(0, 0), (0, 0), *zip(shift, after)])
+        sums[phase] = sums[phase] + placed if phase in sums else placed
+    shape = list(grad.shape[:2]) + list(coarse)
+    for dim, stride in enumerate(pool.stride):
+        if stride == 1:
+            continue
+        axis = 2 + dim
+        merged = {}
+        for rest in {k[:dim] + (0,) + k[dim + 1 :] for k in sums}:
+            parts = [sums[rest[:dim] + (r,) + rest[dim + 1 :]] for r in range(stride)]
+            lead, trail = int(np.prod(shape[: axis + 1])), int(np.prod(shape[axis + 1 :]))
+            stacked = np.concatenate([p.reshape(lead, 1, trail) for p in parts], axis=1)
+            longer = list(shape)
+            longer[axis] *= stride
+            merged[rest] = stacked.reshape(longer)
+        sums, shape = merged, longer
+    (total,) = sums.values()
+    crop = tuple(slice(p, p + i) for p, i in zip(pool.padding, pool.in_sizes))
+    return total[(slice(None), slice(None), *crop)]
+
+
+def _parsed_config(config) -> pg.MaxPoolBackward:
+    return _parsed(config, (2, 4, *config[5]))
+
+
 def _parsed(config, shape) -> pg.MaxPoolBackward:
     kernel, stride, padding, dilation, ceil_mode, _ = config
     values, _ = torch.ops.aten.max_pool2d_with_indices(torch.zeros(shape), *pool_args(config))
@@ -106,7 +142,7 @@ def _parsed(config, shape) -> pg.MaxPoolBackward:
 @pytest.mark.parametrize("seed", range(3))
 def test_window_mask_formulation_matches_aten_on_generated_configs(seed):
     """60 generated configs (kernel 1-4, stride 1-3, dilation, padding, ceil_mode,
-    odd sizes) on tied inputs: the formulation routes exactly as torch does."""
+    odd sizes) on tied inputs: both placements route exactly as torch does."""
     for config in generated_configs(20, seed):
         shape = (2, 3, *config[5])
         x = tied_input(shape, seed)
@@ -115,8 +151,13 @@ def test_window_mask_formulation_matches_aten_on_generated_configs(seed):
         expected = torch.ops.aten.max_pool2d_with_indices_backward(
             grad, x, *pool_args(config), indices
         )
-        got = _window_masks_numpy(_parsed(config, shape), indices.numpy(), grad.numpy())
-        np.testing.assert_allclose(got, expected.numpy(), rtol=1e-6, atol=1e-6, err_msg=str(config))
+        pool = _parsed(config, shape)
+        models_of = [_window_masks_numpy] + ([_phases_numpy] if pool.covers_every_phase() else [])
+        for model in models_of:
+            got = model(pool, indices.numpy(), grad.numpy())
+            np.testing.assert_allclose(
+                got, expected.numpy(), rtol=1e-6, atol=1e-6, err_msg=f"{model.__name__} {config}"
+            )
 
 
 def test_pooled_size_is_torchs_output_size():
@@ -204,6 +245,19 @@ def test_zoo_configs_on_htp_match_aten(qnn_sdk, soc):
     windows = sum(int(np.prod(config[0])) for config in ZOO_CONFIGS.values())
     assert ops["ElementWiseEqual"] == ops["ElementWiseSelect"] == windows
     assert ops["ScatterElements"] == 0
+    phased = [
+        pool for pool in map(_parsed_config, ZOO_CONFIGS.values()) if pool.covers_every_phase()
+    ]
+    assert 0 < len(phased) < len(ZOO_CONFIGS)  # both placements are exercised
+    assert (
+        ops["Concat"]
+        == sum(  # one per interleave of a strided dim
+            int(np.prod(pool.stride[dim + 1 :]))
+            for pool in phased
+            for dim in (0, 1)
+            if pool.stride[dim] > 1
+        )
+    )
     expected = bank(*inputs)
     for _ in range(2):  # a second run must not see the first one's results
         outputs = compiled.run(inputs)

@@ -103,6 +103,36 @@ class MaxPoolBackward:
         """
         return tuple(max(i + 2 * p, o * s + (k - 1) * d) for i, o, k, s, p, d in self.per_dim())
 
+    def phases(self) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per window offset ``j``: its stride phase ``j * d % s`` and coarse shift ``j * d // s``.
+
+        Output ``o`` with offset ``j`` reads padded position ``o * s + j * d``
+        = ``(o + shift) * s + phase``: every offset of one phase lands on the same
+        sub-grid of the padded input, shifted by whole grid steps.
+        """
+        return {
+            offset: (
+                tuple(j * d % s for j, s, d in zip(offset, self.stride, self.dilation)),
+                tuple(j * d // s for j, s, d in zip(offset, self.stride, self.dilation)),
+            )
+            for offset in self.offsets()
+        }
+
+    def coarse_sizes(self) -> tuple[int, ...]:
+        """Per dim, the sub-grid length that holds every shifted output and the input."""
+        shifts = [shift for _, shift in self.phases().values()]
+        return tuple(
+            max(o + max(q[dim] for q in shifts), -(-(i + p) // s))
+            for dim, (i, o, _, s, p, _) in enumerate(self.per_dim())
+        )
+
+    def covers_every_phase(self) -> bool:
+        phases = {phase for phase, _ in self.phases().values()}
+        count = 1
+        for s in self.stride:
+            count *= s
+        return len(phases) == count
+
     def window_element(self, out_position: Sequence[int], offset: Sequence[int]) -> tuple | None:
         """Input position read by ``offset`` of the window at ``out_position``; None in padding."""
         position = []

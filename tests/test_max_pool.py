@@ -140,7 +140,7 @@ def _parsed(config, shape) -> pg.MaxPoolBackward:
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_window_mask_formulation_matches_aten_on_generated_configs(seed):
+def test_both_placements_match_aten_on_generated_configs(seed):
     """60 generated configs (kernel 1-4, stride 1-3, dilation, padding, ceil_mode,
     odd sizes) on tied inputs: both placements route exactly as torch does."""
     for config in generated_configs(20, seed):

@@ -11,11 +11,13 @@ from .api import (
     is_enabled,
     lower,
 )
+from .passes.max_pool_backward import MaxPoolBackwardOnCpu
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LoweringResult",
+    "MaxPoolBackwardOnCpu",
     "Report",
     "ReportRow",
     "decide",

@@ -15,7 +15,7 @@ import torch
 
 from . import delegate_io, integration, logs, options, signature
 from .builders import conv_geometry as geo
-from .partition import cpu_kernel, support, trainable
+from .partition import cpu_kernel, max_pool, support, trainable
 from .partition.target import Target
 from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
 from .passes.batch_norm import StableBatchNorm
@@ -146,6 +146,21 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
             if not _nested_check.get():
                 logger.warning(trainable.message(node, refused))
             return False
+    if target is not None and max_pool.is_max_pool_backward(node):
+        # The transform pass took the same decision (and logged it) and prepared the node.
+        if not max_pool.decide(node, target, log=False).supported or _skipped(checker, node):
+            return False
+        if original(skip_node_id_set=set()):
+            return True
+        if not _nested_check.get():
+            logger.warning(
+                "%s %s: rejected by the QNN backend's op validation on %s after it was "
+                "prepared for QNN (int32 indices): executorch's CPU kernel cannot run it",
+                max_pool.OP,
+                node.name,
+                target.soc,
+            )
+        return False
     if target is not None and node.meta.get(ON_CPU):
         # A reshape the transform pass added around a 1-D node it lifted for
         # executorch's CPU kernel: it runs with that node.
@@ -192,12 +207,19 @@ def _after_partition(edge_program) -> None:
 
 
 def _hooks() -> integration.Hooks:
+    from .builders import op_max_pool_backward
     from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
 
     hooks = integration.Hooks()
-    hooks.visitor_targets = {TARGET: ConvolutionBackwardVisitor}
-    hooks.layout_sensitive_ops = (_conv_bwd_edge_op(),)
+    hooks.visitor_targets = {
+        TARGET: ConvolutionBackwardVisitor,
+        op_max_pool_backward.TARGET: op_max_pool_backward.MaxPoolBackwardVisitor,
+    }
+    hooks.layout_sensitive_ops = (
+        _conv_bwd_edge_op(),
+        integration.get("ops").edge.aten.max_pool2d_with_indices_backward.default,
+    )
     hooks.on_support_init = _on_support_init
     hooks.is_node_supported = _is_node_supported
     hooks.transform_pass = CanonicalizeConvolutionBackward

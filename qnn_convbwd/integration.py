@@ -82,6 +82,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("torchao.quantization.pt2e.utils", "get_new_attr_name_with_prefix", "1-D weight buffers"),
     ("torch._guards", "detect_fake_mode", "1-D weight buffers"),
     (f"{_QC}._passes", "I64toI32", "pass ordering"),
+    (f"{_QC}._passes", "RecomposePadMaxPool2d", "pass ordering (max pool indices plane)"),
+    (f"{_QC}.builders.qnn_constants", "OpElementWiseAdd", "QNN op names (max pool backward)"),
+    (f"{_QC}.builders.qnn_constants", "OpElementWiseSelect", "QNN op names (max pool backward)"),
+    (f"{_QC}.builders.qnn_constants", "OpScatterElements", "QNN op/param names (max pool)"),
+    (f"{_QC}.builders.qnn_constants", "OpConcat", "QNN op/param names (max pool phases)"),
     (f"{_QC}._passes", "RemoveRedundancy", "pass ordering"),
     (f"{_QC}._passes", "ResolveDebugHandle", "pass ordering"),
     (f"{_QC}._passes.i64_to_i32", "I64toI32._record_original_output_dtype", "patched"),
@@ -405,7 +410,8 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
         deps = orig_deps(cls)
         # After the graph is cleaned up, before the passes that read operands'
         # layout and dtype; ResolveDebugHandle must stay last.
-        earlier = [get("RemoveRedundancy"), get("CanonicalizeConv")]
+        # After the padded forward max pool is recomposed: its indices' plane is then final.
+        earlier = [get("RemoveRedundancy"), get("CanonicalizeConv"), get("RecomposePadMaxPool2d")]
         for plugin_pass in plugin_passes:
             deps[plugin_pass] = list(earlier)
             earlier.append(plugin_pass)

@@ -21,6 +21,9 @@ if ! python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "
     python -m pip install -q "torch==2.13.0"
 fi
 python -m pip install -q -e '.[dev]'
+# Test dependency: only CUDA wheels of torchvision 0.28.0 (paired with torch 2.13.0) are
+# served; --no-deps keeps the CPU torch. Its C ops do not load; tests/zoo.py copes.
+python -m pip install -q --no-deps torchvision==0.28.0
 
 # Assemble the SDK root from the onnxruntime-qnn wheel and build (or reuse) the shim;
 # same as `qnn-convbwd doctor --sdk-only`, without importing the other subcommands.

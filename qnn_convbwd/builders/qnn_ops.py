@@ -80,6 +80,11 @@ def _zero_pad(name: str, source, result, amounts: Sequence[Sequence[int]]):
     return pad
 
 
+def zero_pad(name: str, source, result, amounts: Sequence[Sequence[int]]):
+    """Pad op with zeros; ``amounts`` holds ``[before, after]`` for every axis."""
+    return _zero_pad(name, source, result, amounts)
+
+
 def zero_pad_end(name: str, source, result, trailing: Sequence[int]):
     """Pad op appending ``trailing[i]`` zeros after spatial dim i of an NHWC tensor."""
     return _zero_pad(name, source, result, [[0, 0], *([0, t] for t in trailing), [0, 0]])

@@ -1,6 +1,6 @@
 """The plugin's to_edge transform pass: convolution_backward ready for partitioning.
 
-Six rewrites, in this order:
+Rewrites, in this order:
 
 0. ``consecutive_permutes.fold_consecutive_permutes``: permute pairs (a linear
    layer's weight gradient) folded where the outer one stands, so QNN lists
@@ -19,7 +19,12 @@ options do not keep on CPU):
 2. ``split_gradients.split_input_gradient``: grad_input is split from
    grad_weight / grad_bias;
 3. ``shape_only_operands.replace_shape_only_operands``: operands read only for
-   their shape become a static-shape ``full``.
+   their shape become a static-shape ``full``;
+
+and on every ``max_pool2d_with_indices_backward``:
+
+4. ``max_pool_backward.rewrite``: delegated nodes get int32 indices and a
+   shape-only input; nodes that stay on CPU are made right there.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from .. import integration
 from ..partition import support
 from ..partition.target import Target
+from . import max_pool_backward
 from .consecutive_permutes import fold_consecutive_permutes
 from .conv1d import ON_CPU, lift_conv1d, unbake_trainable_weights
 from .int64_constants import narrow_int64_scalar_tensors
@@ -52,9 +58,10 @@ def skip_name(node: torch.fx.Node) -> str:
 
 
 def _remember_names(graph: torch.fx.Graph) -> None:
-    target = integration.get("ops").edge.aten.convolution_backward.default
+    ops = integration.get("ops").edge.aten
+    targets = (ops.convolution_backward.default, ops.max_pool2d_with_indices_backward.default)
     for node in graph.nodes:
-        if node.op == "call_function" and node.target == target:
+        if node.op == "call_function" and node.target in targets:
             node.meta.setdefault(NAME_SEEN, node.name)
 
 
@@ -73,6 +80,12 @@ class CanonicalizeConvolutionBackward(PassBase):
         # passes whose __init__ asks for them): nodes they keep on CPU stay as they are.
         self.skip_node_id_set = set(skip_node_id_set or ())
         self.skip_node_op_set = set(skip_node_op_set or ())
+
+    def _kept_on_cpu(self, node: torch.fx.Node) -> bool:
+        """executorch's skip options keep ``node`` on CPU."""
+        return skip_name(node) in self.skip_node_id_set or (
+            node.target.__name__ in self.skip_node_op_set
+        )
 
     def _delegated(self, target: Target):
         def delegated(node: torch.fx.Node) -> bool:
@@ -105,4 +118,5 @@ class CanonicalizeConvolutionBackward(PassBase):
         )
         changed += split_input_gradient(graph_module, delegated)
         changed += replace_shape_only_operands(graph_module, delegated)
+        changed += max_pool_backward.rewrite(graph_module, target, self._kept_on_cpu)
         return PassResult(graph_module, changed > 0)

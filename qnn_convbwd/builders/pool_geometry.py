@@ -1,0 +1,204 @@
+"""Arguments of ``aten.max_pool2d_with_indices_backward`` and where its indices point.
+
+Schema: https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/native_functions.yaml
+(``max_pool2d_with_indices_backward``). Shapes are NCHW: grad_output and
+indices ``[N, C, *out]``, input ``[N, C, *in]``. Each index is the flat position
+``h * W + w`` of the element the forward chose, within the plane of its (n, c).
+
+The *index plane* is the plane those flat positions count in. It is the input's
+plane, except after executorch's ``RecomposePadMaxPool2d``: that pass rewrites
+a padded forward ``max_pool2d_with_indices`` into ``constant_pad_nd(-inf)`` and
+an unpadded pool, so the forward's indices count in the *padded* plane while the
+backward node still names the unpadded input and its padding. ``IndexPlane``
+records the plane's size and the offset of input element 0 inside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import operator
+from collections.abc import Iterator, Sequence
+
+import torch
+
+# Argument positions in the schema.
+GRAD_OUTPUT, INPUT, KERNEL, STRIDE, PADDING, DILATION, CEIL_MODE, INDICES = range(8)
+SPATIAL_DIMS = 2
+
+
+class PoolArgumentError(ValueError):
+    """The node's arguments do not describe a max pool backward we understand."""
+
+
+def _per_dim(name: str, values: Sequence[int], default: Sequence[int]) -> tuple[int, ...]:
+    """One rule for every per-dim argument: empty takes ``default``, length 1 broadcasts."""
+    values = tuple(int(v) for v in values) or tuple(default)
+    if len(values) == 1:
+        values = values * SPATIAL_DIMS
+    if len(values) != SPATIAL_DIMS:
+        raise PoolArgumentError(f"{name} has {len(values)} entries for {SPATIAL_DIMS} dims")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexPlane:
+    """Flat indices count positions in a plane of ``sizes``; input element 0 sits at ``offset``."""
+
+    sizes: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    def flat(self, position: Sequence[int]) -> int:
+        """Flat index of an input position (input coordinates)."""
+        flat = 0
+        for p, size, off in zip(position, self.sizes, self.offset):
+            flat = flat * size + p + off
+        return flat
+
+    @property
+    def is_input(self) -> bool:
+        return not any(self.offset)
+
+
+@dataclasses.dataclass(frozen=True)
+class MaxPoolBackward:
+    grad_output_shape: tuple[int, ...]
+    input_shape: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    ceil_mode: bool
+    dtype: torch.dtype
+
+    @property
+    def in_sizes(self) -> tuple[int, ...]:
+        return tuple(self.input_shape[2:])
+
+    @property
+    def out_sizes(self) -> tuple[int, ...]:
+        return tuple(self.grad_output_shape[2:])
+
+    def per_dim(self) -> list[tuple[int, int, int, int, int, int]]:
+        """Per spatial dim: (input size, grad_output size, kernel, stride, padding, dilation)."""
+        return list(
+            zip(
+                self.in_sizes,
+                self.out_sizes,
+                self.kernel,
+                self.stride,
+                self.padding,
+                self.dilation,
+            )
+        )
+
+    def offsets(self) -> Iterator[tuple[int, ...]]:
+        """Window offsets in the forward's scan order (row-major over the kernel)."""
+        return itertools.product(*(range(k) for k in self.kernel))
+
+    def canvas(self) -> tuple[int, ...]:
+        """Per dim, the padded extent that holds every window element, ceil_mode included.
+
+        Output ``o`` reads padded positions ``o * s + j * d`` for kernel offset ``j``.
+        """
+        return tuple(max(i + 2 * p, o * s + (k - 1) * d) for i, o, k, s, p, d in self.per_dim())
+
+    def phases(self) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[int, ...]]]:
+        """Per window offset ``j``: its stride phase ``j * d % s`` and coarse shift ``j * d // s``.
+
+        Output ``o`` with offset ``j`` reads padded position ``o * s + j * d``
+        = ``(o + shift) * s + phase``: every offset of one phase lands on the same
+        sub-grid of the padded input, shifted by whole grid steps.
+        """
+        return {
+            offset: (
+                tuple(j * d % s for j, s, d in zip(offset, self.stride, self.dilation)),
+                tuple(j * d // s for j, s, d in zip(offset, self.stride, self.dilation)),
+            )
+            for offset in self.offsets()
+        }
+
+    def coarse_sizes(self) -> tuple[int, ...]:
+        """Per dim, the sub-grid length that holds every shifted output and the input."""
+        shifts = [shift for _, shift in self.phases().values()]
+        return tuple(
+            max(o + max(q[dim] for q in shifts), -(-(i + p) // s))
+            for dim, (i, o, _, s, p, _) in enumerate(self.per_dim())
+        )
+
+    def covers_every_phase(self) -> bool:
+        phases = {phase for phase, _ in self.phases().values()}
+        count = 1
+        for s in self.stride:
+            count *= s
+        return len(phases) == count
+
+    def window_element(self, out_position: Sequence[int], offset: Sequence[int]) -> tuple | None:
+        """Input position read by ``offset`` of the window at ``out_position``; None in padding."""
+        position = []
+        for o, j, (i, _, _, s, p, d) in zip(out_position, offset, self.per_dim()):
+            x = o * s + j * d - p
+            if not 0 <= x < i:
+                return None
+            position.append(x)
+        return tuple(position)
+
+
+def _static(shape) -> tuple[int, ...]:
+    if any(not isinstance(d, int) for d in shape):
+        raise PoolArgumentError(f"dynamic shape {list(shape)}")
+    return tuple(shape)
+
+
+def parse(node: torch.fx.Node) -> MaxPoolBackward:
+    args = list(node.args)
+    if len(args) != INDICES + 1:
+        raise PoolArgumentError(f"{len(args)} arguments, the schema has {INDICES + 1}")
+    grad_output = args[GRAD_OUTPUT].meta["val"]
+    source = args[INPUT].meta["val"]
+    if grad_output.dim() != SPATIAL_DIMS + 2:
+        raise PoolArgumentError(f"grad_output of rank {grad_output.dim()}, expected 4 (NCHW)")
+    kernel = _per_dim("kernel_size", args[KERNEL], ())
+    return MaxPoolBackward(
+        grad_output_shape=_static(grad_output.shape),
+        input_shape=_static(source.shape),
+        kernel=kernel,
+        stride=_per_dim("stride", args[STRIDE], kernel),
+        padding=_per_dim("padding", args[PADDING], (0,)),
+        dilation=_per_dim("dilation", args[DILATION], (1,)),
+        ceil_mode=bool(args[CEIL_MODE]),
+        dtype=grad_output.dtype,
+    )
+
+
+def _is_call(node, target) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
+
+
+def index_plane(node: torch.fx.Node, pool: MaxPoolBackward, edge_ops) -> IndexPlane:
+    """The plane the node's indices count in (see the module docstring).
+
+    ``edge_ops`` is ``exir_ops.edge.aten``. The padded plane is recognised by
+    the graph executorch's RecomposePadMaxPool2d leaves: indices taken from a
+    pool with zero padding whose input is a ``constant_pad_nd`` of this node's
+    input; the pad amounts (last dim first, as torch lists them) give the offset.
+    """
+    plane = IndexPlane(pool.in_sizes, (0,) * SPATIAL_DIMS)
+    indices = node.args[INDICES]
+    if not (
+        _is_call(indices, operator.getitem)
+        and indices.args[1] == 1
+        and _is_call(indices.args[0], edge_ops.max_pool2d_with_indices.default)
+    ):
+        return plane
+    forward = indices.args[0]
+    pad = forward.args[0]
+    forward_padding = forward.args[3] if len(forward.args) > 3 else (0,)
+    if not _is_call(pad, edge_ops.constant_pad_nd.default) or any(forward_padding):
+        return plane
+    amounts = list(pad.args[1])
+    if len(amounts) != 2 * SPATIAL_DIMS or pad.args[0] is not node.args[INPUT]:
+        return plane
+    before = tuple(amounts[2 * (SPATIAL_DIMS - 1 - d)] for d in range(SPATIAL_DIMS))
+    sizes = tuple(int(s) for s in pad.meta["val"].shape[2:])
+    return IndexPlane(sizes, before)

@@ -200,9 +200,21 @@ def _after_partition(edge_program) -> None:
     returns a gradient for must instead stay a program input that the delegate
     reads at run time: ExecuTorch's training runtime updates it in place.
     """
+    quant_key = integration.get("QCOM_QUANT_ATTRS")
     for node in signature.trainable_placeholders(edge_program):
-        if node.meta.pop("delegation_tag", None) is not None:
-            logger.debug("%s: trainable, kept as a delegate input", node.name)
+        if "delegation_tag" not in node.meta:
+            continue
+        if any(n.meta.get(quant_key) for n in (node, *node.users)):
+            # Quantized (by its metadata): the delegate takes it only as an encoded
+            # constant, so it stays baked and will not see optimizer updates.
+            logger.warning(
+                "%s: trainable but quantized: baked into the delegate as a constant "
+                "(training a quantized program does not update it)",
+                node.name,
+            )
+            continue
+        del node.meta["delegation_tag"]
+        logger.debug("%s: trainable, kept as a delegate input", node.name)
     int64_constants.restore_cpu_constant_dtypes(edge_program)
 
 

@@ -193,8 +193,16 @@ def assess(
     reference: Sequence[torch.Tensor],
     fp16: Sequence[torch.Tensor],
 ) -> Report:
-    """Per-tensor fidelity of ``htp`` (program outputs) against ``reference`` (fp32)."""
+    """Per-tensor fidelity of ``htp`` (program outputs) against ``reference`` (fp32).
+
+    A program emitted for ExecuTorch's training runtime returns the trainable
+    parameters after the joint graph's outputs (``weights_to_outputs_pass``);
+    those are left out here.
+    """
     names = output_names(joint)
+    trainable = sum(1 for name in names if name != "loss")
+    if len(htp) == len(names) + trainable:
+        htp = list(htp)[: len(names)]
     if not len(names) == len(htp) == len(reference) == len(fp16):
         raise ValueError(
             f"{len(names)} outputs in the program, {len(htp)} from the HTP, "

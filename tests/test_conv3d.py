@@ -22,6 +22,7 @@ import pytest
 import torch
 from programs import ALL_MASKS, Config, ConvBackwardBank, assert_bank_matches, generate_3d_configs
 
+import qnn_convbwd
 from qnn_convbwd import integration, models
 
 CONFIGS = [
@@ -85,10 +86,10 @@ def test_conv3d_backward_matches_aten(qnn_sdk, soc):
 
 
 class Video3d(torch.nn.Module):
-    """A small video-style stack: trainable 1x1x1 adapter, trainable 3-D backbone with a
+    """A small video-style stack: trainable 1x1x1 adapter, a 3-D backbone with a
     (2, 1, 2)-strided conv (grad_input reorders its spatial dims) and a grouped conv."""
 
-    def __init__(self) -> None:
+    def __init__(self, trainable_backbone: bool = False) -> None:
         super().__init__()
         self.adapter = torch.nn.Conv3d(4, 4, 1)
         self.backbone = torch.nn.Sequential(
@@ -96,6 +97,7 @@ class Video3d(torch.nn.Module):
             torch.nn.ReLU(),
             torch.nn.Conv3d(8, 8, 3, padding=1, groups=2),
         )
+        self.backbone.requires_grad_(trainable_backbone)
 
     def forward(self, x, target):
         return torch.nn.functional.mse_loss(self.backbone(self.adapter(x)), target)
@@ -103,9 +105,9 @@ class Video3d(torch.nn.Module):
 
 @pytest.mark.htp
 def test_conv3d_training_graph_runs_every_convolution_on_htp(qnn_sdk):
-    """Joint graph: every convolution and convolution_backward in one delegate; the
-    groups=1 weight read by a grad_input is stored once (runtime_weight), the grouped
-    one keeps its static filter and a block-diagonal copy."""
+    """Joint graph with a frozen backbone: every convolution and convolution_backward in
+    one delegate; the groups=1 weight read by a grad_input is stored once
+    (runtime_weight), the grouped one keeps its static filter and a block-diagonal copy."""
     from torch.export.experimental import _export_forward_backward
 
     from qnn_convbwd.toolchain import harness
@@ -158,3 +160,23 @@ def test_conv3d_training_graph_runs_every_convolution_on_htp(qnn_sdk):
     for got, want, near in zip(outputs, expected, noisy, strict=True):
         tol = 2 * (near - want).abs().max().item() + 1e-2 * want.abs().max().item()
         assert (got - want).abs().max().item() <= tol
+
+
+def test_conv3d_trainable_grouped_grad_input_stays_on_cpu_with_its_reason():
+    """A trainable grouped 3-D weight is read at run time; its grad_input would need a
+    block-diagonal filter built from the weight's values (TransposeConv3d ignores
+    groups), so that node stays on CPU and the report says why."""
+    from torch.export.experimental import _export_forward_backward
+
+    from qnn_convbwd.toolchain import harness
+
+    torch.manual_seed(0)
+    model = Video3d(trainable_backbone=True)
+    x = torch.randn(1, 4, 4, 7, 7)
+    with torch.no_grad():
+        target = torch.randn_like(model.backbone(model.adapter(x)))
+    joint = _export_forward_backward(torch.export.export(model, (x, target), strict=True))
+    report = qnn_convbwd.decide(joint, harness.compile_specs("SM8650"))
+    kept = [r for r in report.rows if not r.delegated]
+    assert len(kept) == 1 and kept[0].groups == 2, report.to_markdown()
+    assert "block-diagonal" in kept[0].reason and "trainable" in kept[0].reason

@@ -47,7 +47,7 @@ import torch
 
 from .. import integration
 from . import conv_geometry as geo
-from . import qnn_ops, runtime_tensors
+from . import qnn_ops, runtime_tensors, transpose_conv
 
 logger = logging.getLogger(__name__)
 
@@ -278,12 +278,10 @@ def build(req) -> list:
     runtime already. Where the backward is built first, it does so itself with
     1.0 from grad_output, so the order of the two in the graph does not matter.
     """
-    from .input_gradient import transpose_conv  # input_gradient registers this module
-
     weight_node = req.visitor.get_node(req.node.args[geo.WEIGHT])
     sample = req.visitor.get_node(req.node.args[geo.GRAD_OUTPUT])
     ops = provide_runtime_weight(req.visitor, weight_node, req.node, sample, req.nodes_to_wrappers)
-    return [*ops, *transpose_conv(req)]
+    return [*ops, *transpose_conv.build(req)]
 
 
 # Formulation name -> what runs before executorch builds a forward convolution.

@@ -42,7 +42,12 @@ def _prelude(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
 def define_convolution(original, visitor, node: torch.fx.Node, nodes_to_wrappers):
     """``integration.Hooks.conv_define``: executorch's visitor, or the run-time build."""
     runtime = [runtime_tensors.reads_at_run_time(visitor, node.args[i]) for i in (_WEIGHT, _BIAS)]
-    if not any(runtime):
+    quant_key = integration.get("QCOM_QUANT_ATTRS")
+    quantized = any(
+        isinstance(n, torch.fx.Node) and n.meta.get(quant_key)
+        for n in (node, node.args[_WEIGHT], node.args[_BIAS])
+    )
+    if quantized or not any(runtime):  # executorch's visitor encodes quantized operands
         ops = _prelude(visitor, node, nodes_to_wrappers)
         built = original()
         return built if not ops or built is None else [*ops, *_as_list(built)]

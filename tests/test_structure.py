@@ -1,0 +1,82 @@
+"""The package's shape: no import cycles between its modules."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "qnn_convbwd"
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    return modules
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Package modules ``name`` imports, at module level or inside functions."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(max(node.level - 1, 0)):
+                base = base.rsplit(".", 1)[0]
+            target = node.module if not node.level else ".".join(filter(None, [base, node.module]))
+            candidates = [target, *(f"{target}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        for candidate in candidates:
+            while candidate not in modules and "." in candidate:
+                candidate = candidate.rsplit(".", 1)[0]
+            # A module importing its own package (``from .. import x``) names x, not a cycle.
+            if candidate in modules and candidate != name and not name.startswith(candidate + "."):
+                found.add(candidate)
+    return found
+
+
+def test_no_import_cycles():
+    modules = _modules()
+    assert len(modules) > 20, sorted(modules)
+    edges = {name: _imports(name, path, modules) for name, path in modules.items()}
+    cycles, state, stack = [], {}, []
+
+    def visit(module: str) -> None:
+        state[module] = "open"
+        stack.append(module)
+        for other in sorted(edges[module]):
+            if state.get(other) == "open":
+                cycles.append([*stack[stack.index(other) :], other])
+            elif other not in state:
+                visit(other)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(modules):
+        if module not in state:
+            visit(module)
+    assert not cycles, [" -> ".join(c) for c in cycles]
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
+    """The check is not vacuous: two modules importing each other are reported."""
+    package = tmp_path / "qnn_convbwd"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from . import b\n")
+    (package / "b.py").write_text("def f():\n    from .a import g\n")
+    for index in range(20):
+        (package / f"m{index}.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", package)
+    try:
+        test_no_import_cycles()
+    except AssertionError as err:
+        assert "qnn_convbwd.a -> qnn_convbwd.b -> qnn_convbwd.a" in str(err)
+    else:
+        raise AssertionError("a two-module cycle was not reported")

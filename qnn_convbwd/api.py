@@ -426,6 +426,21 @@ def _qualcomm_passes(program, compiler_specs, skip_node_id_set=None, skip_node_o
     return aten_program, passes
 
 
+def transformed(
+    program: torch.export.ExportedProgram, compiler_specs: list
+) -> torch.export.ExportedProgram:
+    """The edge program the partitioner sees: ``lower``'s export and to_edge transform
+    passes (the plugin's included), without partitioning or compiling."""
+    with enabled():
+        aten_program, passes = _qualcomm_passes(program, compiler_specs)
+        edge = integration.get("to_edge_transform_and_lower")(
+            aten_program,
+            transform_passes=passes,
+            compile_config=integration.get("qnn_edge_config")(),
+        )
+        return edge.exported_program()
+
+
 def decide(program: torch.export.ExportedProgram, compiler_specs: list) -> Report:
     """The support decision for every convolution_backward node, without compiling.
 
@@ -437,13 +452,7 @@ def decide(program: torch.export.ExportedProgram, compiler_specs: list) -> Repor
         target = Target.from_compile_specs(compiler_specs)
         before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
         _decisions.clear()
-        aten_program, passes = _qualcomm_passes(program, compiler_specs)
-        edge = integration.get("to_edge_transform_and_lower")(
-            aten_program,
-            transform_passes=passes,
-            compile_config=integration.get("qnn_edge_config")(),
-        )
-        edge_program = edge.exported_program()
+        edge_program = transformed(program, compiler_specs)
         target = target.with_program(edge_program)
         supported: set[str] = set()
         for node in _conv_bwd_nodes(edge_program.graph):

@@ -69,6 +69,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "QnnPartitioner.partition",
         "patched: trainable parameters stay top-level (untagged)",
     ),
+    (
+        f"{_QC}.partition.qnn_partitioner",
+        "QnnPartitioner.tag_nodes",
+        "patched: no partition, nothing to tag",
+    ),
     (f"{_QC}.utils.constants", "QCOM_AXIS_ORDER", "layout of runtime weights"),
     (f"{_QC}.utils.constants", "QCOM_INSERTED_PERMUTE", "layout of runtime weights"),
     (f"{_QC}._passes.qnn_pass_manager", "QnnPassManager.get_default_pass_activations", "patched"),
@@ -374,8 +379,20 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
     p.set_attr(support_cls, "is_node_supported", is_node_supported)
 
+    partitioner_cls = qp.QnnPartitioner
+    orig_tag_nodes = partitioner_cls.tag_nodes
+
+    def tag_nodes(self, partitions, edge_program):
+        # executorch 1.5.1 tags unused constant placeholders with the last partition's
+        # tag, unbound when there is no partition (UnboundLocalError): with nothing
+        # delegated there is nothing to tag.
+        if not partitions:
+            return None
+        return orig_tag_nodes(self, partitions, edge_program)
+
+    p.set_attr(partitioner_cls, "tag_nodes", tag_nodes)
+
     if hooks.after_partition is not None:
-        partitioner_cls = qp.QnnPartitioner
         orig_partition = partitioner_cls.partition
 
         def partition(self, edge_program):

@@ -101,17 +101,19 @@ def _assert_matches(graph, outputs, names) -> None:
         )
 
 
-def _all_ops_but_the_pool_backward(graph: models.TrainingGraph) -> set[str]:
-    """executorch skip_node_op_set keeping every op but the pool backward on CPU."""
-    from executorch.exir import to_edge
+def _all_ops_but_the_pool_backward(graph: models.TrainingGraph, soc: str) -> set[str]:
+    """executorch skip_node_op_set keeping every op but the pool backward on CPU: the
+    ops of the edge program the partitioner sees (after executorch's and the plugin's
+    transform passes)."""
+    import qnn_convbwd
+    from qnn_convbwd.toolchain import harness
 
+    program = qnn_convbwd.api.transformed(graph.program, harness.compile_specs(soc))
     names = {
         node.target.__name__
-        for node in to_edge(graph.program).exported_program().graph.nodes
+        for node in program.graph.nodes
         if node.op == "call_function" and hasattr(node.target, "_op")
     }
-    # Made by executorch's QNN passes after to_edge (RecomposePadMaxPool2d).
-    names.add("aten.constant_pad_nd.default")
     return names - {f"aten.{BACKWARD}.default", "aten.full.default"}
 
 
@@ -152,7 +154,9 @@ def test_resnet18_pool_backward_alone_on_htp_matches_torch(qnn_sdk, resnet18):
     from qnn_convbwd.toolchain import harness
 
     compiled = harness.lower_program(
-        resnet18.program, "SM8650", skip_node_op_set=_all_ops_but_the_pool_backward(resnet18)
+        resnet18.program,
+        "SM8650",
+        skip_node_op_set=_all_ops_but_the_pool_backward(resnet18, "SM8350"),
     )
     assert _backwards_left(compiled) == 0
     _assert_matches(resnet18, compiled.run(resnet18.inputs), [UPSTREAM])
@@ -168,7 +172,9 @@ def test_resnet18_on_v68_pool_backward_on_cpu_is_right(qnn_sdk, resnet18):
     from qnn_convbwd.toolchain import harness
 
     compiled = harness.lower_program(
-        resnet18.program, "SM8350", skip_node_op_set=_all_ops_but_the_pool_backward(resnet18)
+        resnet18.program,
+        "SM8350",
+        skip_node_op_set=_all_ops_but_the_pool_backward(resnet18, "SM8350"),
     )
     assert harness.delegate_count(compiled.edge) == 0
     expected = _gradients(resnet18, resnet18.reference())

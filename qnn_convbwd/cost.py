@@ -418,7 +418,7 @@ def to_markdown(report: CostReport) -> str:
         )
     lines.append("")
     lines += [
-        f"On CPU ({low.label}): {', '.join(low.on_cpu) or 'nothing'}." for low in report.lowerings
+        f"* on CPU ({low.label}): {', '.join(low.on_cpu) or 'nothing'}" for low in report.lowerings
     ]
     frozen = [(low, w) for low in report.lowerings for w in low.weights]
     if frozen:

@@ -210,3 +210,26 @@ def test_planned_memory_reads_the_forward_plan():
     assert cost.planned_memory(Program()) == 10
     weight = cost.WeightBytes("w", (1,), 4, 8, ("0:p_w@0", "2:p_w@0"))
     assert weight.ratio == 2.0 and weight.partitions == 2
+
+
+def test_cli_prints_the_report(demo_cost, monkeypatch, capsys):
+    import argparse
+
+    from qnn_convbwd import cli
+
+    assert cli.COMMANDS["cost"][0] == "qnn_convbwd.cost"
+    parser = argparse.ArgumentParser()
+    cost.add_arguments(parser)
+    args = parser.parse_args(["--model", "demo", "--frozen", "--soc", "SM8650"])
+    seen = []
+
+    def measure(case, soc, cpu_baseline):
+        seen.append((case.name, soc, cpu_baseline))
+        return demo_cost
+
+    monkeypatch.setattr(cost, "measure", measure)
+    assert cost.run(args) == 0
+    assert seen == [("demo-15px-frozen", "SM8650", True)]
+    out = capsys.readouterr().out
+    assert "### demo-15px-frozen on SM8650" in out
+    assert "* on CPU (backward on CPU): convolution_backward, mean" in out

@@ -1,4 +1,4 @@
-"""``qnn-convbwd`` command line: doctor, demo, bench, fidelity."""
+"""``qnn-convbwd`` command line: doctor, demo, train, bench, fidelity, cost."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ COMMANDS = {
     "fidelity": (
         "qnn_convbwd.fidelity_cli",
         "run a training graph on the simulator and judge it against torch's fp16 step",
+    ),
+    "cost": (
+        "qnn_convbwd.cost",
+        "multiply-adds, bytes and planned memory of a lowered training program",
     ),
 }
 

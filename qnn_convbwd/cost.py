@@ -1,0 +1,480 @@
+"""What a lowered training program costs: multiply-adds, stored bytes, planned memory.
+
+``measure`` lowers a training case twice, with the plugin (every backward the
+rules accept on the HTP) and with every ``convolution_backward`` and
+``max_pool2d_with_indices_backward`` kept on CPU through executorch's
+``skip_node_op_set``, and reports for each:
+
+* **multiply-adds** of every QNN op that multiplies (``MAC_OPS``), computed from
+  the tensor dimensions of the QNN graph the plugin built
+  (``integration.capture_qnn_graphs``), plus those of the convolutions and
+  matrix products left on CPU, against the **ideal** training step of the torch
+  model (``ideal_macs``);
+* **static bytes** each frozen weight takes in the QNN graphs against its own size;
+* executorch's **planned memory** (the ``forward`` plan's non-constant buffers:
+  tensors executorch holds, not the QNN delegates' own working memory), the
+  input + output bytes of each delegate call, the ``.pte`` and the QNN
+  context-binary bytes.
+
+MACs from dimensions (QNN filter layouts, the op's parameters are not needed):
+
+* ``Conv2d`` / ``Conv3d`` / ``DepthWiseConv2d``: filter ``[*k, in/groups, out]``
+  (depthwise: ``[*k, 1, out]``), MACs = numel(output) * prod(k) * filter[-2];
+* ``TransposeConv2d`` / ``TransposeConv3d``: filter ``[*k, in, out/groups]``,
+  every input element is scattered into prod(k) * out/groups outputs, MACs =
+  numel(input) * prod(k) * filter[-1] (elements later cropped by the padding count);
+* ``FullyConnected``: weight ``[units, K]``, MACs = numel(output) * K;
+* ``MatMul``: the last two dims of in[0] hold M * K in either order
+  (``transpose_in0``), MACs = numel(output) * (in0[-2] * in0[-1] / out[-2]).
+
+Dilation and stride do not change these counts; padded zeros are counted, as
+torch's own ``FlopCounterMode`` counts them.
+
+The ideal: forward MACs of every ``nn.Conv*`` / ``nn.Linear`` of the model (forward
+hooks), plus the same count again for grad_input where a gradient flows to the
+layer's input (the input requires grad) and for grad_weight where its weight is
+trainable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from . import integration, models, train_cli
+from .integration import QnnOpInfo, QnnTensorInfo
+
+MAC_OPS = (
+    "Conv2d",
+    "DepthWiseConv2d",
+    "TransposeConv2d",
+    "Conv3d",
+    "TransposeConv3d",
+    "FullyConnected",
+    "MatMul",
+)
+# executorch's skip_node_op_set that keeps every backward op on CPU.
+BACKWARD_ON_CPU = frozenset(
+    {"aten.convolution_backward.default", "aten.max_pool2d_with_indices_backward.default"}
+)
+PHASES = ("forward", "grad_input", "grad_weight")
+
+
+def qnn_op_macs(op: QnnOpInfo) -> int | None:
+    """Multiply-adds of one QNN op from its tensor dims; None for ops that do not multiply."""
+    if op.op_type not in MAC_OPS:
+        return None
+    out = op.outputs[0].dims
+    if op.op_type in ("Conv2d", "Conv3d", "DepthWiseConv2d"):
+        filt = op.inputs[1].dims
+        return math.prod(out) * math.prod(filt[:-1])
+    if op.op_type in ("TransposeConv2d", "TransposeConv3d"):
+        filt = op.inputs[1].dims
+        return math.prod(op.inputs[0].dims) * math.prod(filt[:-2]) * filt[-1]
+    if op.op_type == "FullyConnected":
+        return math.prod(out) * op.inputs[1].dims[-1]
+    a = op.inputs[0].dims  # MatMul
+    if len(a) < 2 or len(out) < 2:
+        return math.prod(out) * a[-1]
+    return math.prod(out) * (a[-2] * a[-1] // out[-2])
+
+
+# --- the ideal step, from the torch model -------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMacs:
+    name: str  # module path
+    kind: str  # module class name
+    forward: int
+    grad_input: int  # forward MACs when a gradient flows to the layer's input, else 0
+    grad_weight: int  # forward MACs when the weight is trainable, else 0
+
+    @property
+    def total(self) -> int:
+        return self.forward + self.grad_input + self.grad_weight
+
+
+def _forward_macs(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    weight = module.weight
+    if isinstance(module, nn.Linear):
+        return y.numel() * weight.shape[1]
+    if isinstance(module, nn.modules.conv._ConvTransposeNd):
+        # weight [in, out/groups, *k]: each input element feeds out/groups * prod(k) outputs
+        return x.numel() * math.prod(weight.shape[1:])
+    return y.numel() * math.prod(weight.shape[1:])  # weight [out, in/groups, *k]
+
+
+def ideal_macs(model: nn.Module, inputs: Iterable[torch.Tensor]) -> list[LayerMacs]:
+    """Per conv / linear layer of ``model``, the MACs one training step needs at least."""
+    layers: list[LayerMacs] = []
+    handles = []
+
+    def hook(name: str):
+        def record(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            x = args[0]
+            fwd = _forward_macs(module, x, output)
+            layers.append(
+                LayerMacs(
+                    name,
+                    type(module).__name__,
+                    fwd,
+                    fwd if x.requires_grad else 0,
+                    fwd if module.weight.requires_grad else 0,
+                )
+            )
+
+        return record
+
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear | nn.modules.conv._ConvNd):
+            handles.append(module.register_forward_hook(hook(name)))
+    try:
+        with torch.enable_grad():
+            model(*inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return layers
+
+
+# --- what stays on CPU -----------------------------------------------------------------
+
+
+def _numel(node: object) -> int:
+    return node.meta["val"].numel()  # type: ignore[attr-defined]
+
+
+def _shape(node: object) -> tuple[int, ...]:
+    return tuple(node.meta["val"].shape)  # type: ignore[attr-defined]
+
+
+def _op_name(node: torch.fx.Node) -> str:
+    """``aten.<op>.<overload>`` of an edge or aten op."""
+    text = str(node.target)
+    return text[len("<EdgeOpOverload: ") : text.index(">")] if text.startswith("<Edge") else text
+
+
+def cpu_node_macs(node: torch.fx.Node) -> tuple[str, int] | None:
+    """(op name, MACs) of a convolution or matrix product executorch runs on CPU."""
+    if node.op != "call_function":
+        return None
+    name = _op_name(node)
+    op = name.split(".")[1] if name.startswith("aten.") else ""
+    args = node.args
+    if op == "convolution":
+        x, weight, transposed = args[0], args[1], args[6]
+        count = _numel(x) if transposed else _numel(node)
+        return name, count * math.prod(_shape(weight)[1:])
+    if op == "convolution_backward":
+        grad_output, x, weight, transposed, mask = args[0], args[1], args[2], args[7], args[10]
+        forward = (_numel(x) if transposed else _numel(grad_output)) * math.prod(_shape(weight)[1:])
+        return name, forward * (int(bool(mask[0])) + int(bool(mask[1])))
+    if op in ("mm", "bmm"):
+        return name, _numel(node) * _shape(args[0])[-1]
+    if op == "addmm":
+        return name, _numel(node) * _shape(args[1])[-1]
+    if op == "linear":
+        return name, _numel(node) * _shape(args[1])[-1]
+    return None
+
+
+def cpu_macs(edge: object) -> dict[str, int]:
+    """MACs per op of the convolutions and matrix products outside every delegate."""
+    totals: dict[str, int] = {}
+    for node in edge.exported_program().graph.nodes:  # type: ignore[attr-defined]
+        found = cpu_node_macs(node)
+        if found is not None:
+            totals[found[0]] = totals.get(found[0], 0) + found[1]
+    return totals
+
+
+# --- bytes and memory --------------------------------------------------------------------
+
+_SUFFIX = re.compile(r"@\d+$")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightBytes:
+    parameter: str
+    shape: tuple[int, ...]
+    size: int  # numel * the element bytes of its static QNN tensors (fp32 unless noted)
+    static: int  # bytes of every static QNN tensor made from it, all partitions
+    tensors: tuple[str, ...]  # "<partition>:<static tensor name>"
+
+    @property
+    def ratio(self) -> float:
+        return self.static / self.size if self.size else float("nan")
+
+    @property
+    def partitions(self) -> int:
+        return len({t.split(":", 1)[0] for t in self.tensors})
+
+
+def static_tensors(graphs: list[list[QnnOpInfo]]) -> dict[tuple[int, str], QnnTensorInfo]:
+    """Every static QNN tensor, by (partition index, name): each partition stores its own."""
+    found = {}
+    for index, ops in enumerate(graphs):
+        for op in ops:
+            for tensor in (*op.inputs, *op.outputs):
+                if tensor.is_static:
+                    found[(index, tensor.name)] = tensor
+    return found
+
+
+def frozen_weight_bytes(model: nn.Module, graphs: list[list[QnnOpInfo]]) -> list[WeightBytes]:
+    """For each frozen parameter, the static QNN tensors named after it and their bytes.
+
+    A static tensor belongs to parameter ``a.b`` when its name, without
+    executorch's ``@<n>`` suffix, is ``p_a_b`` or starts with ``p_a_b_`` (the
+    longest such parameter name wins).
+    """
+    placeholders = {
+        "p_" + name.replace(".", "_"): (name, param)
+        for name, param in model.named_parameters()
+        if not param.requires_grad
+    }
+    owned: dict[str, list[tuple[str, QnnTensorInfo]]] = {p: [] for p in placeholders}
+    for (index, name), tensor in static_tensors(graphs).items():
+        base = _SUFFIX.sub("", name)
+        owner = max(
+            (p for p in placeholders if base == p or base.startswith(p + "_")),
+            key=len,
+            default=None,
+        )
+        if owner is not None:
+            owned[owner].append((f"{index}:{name}", tensor))
+    rows = []
+    for placeholder, (name, param) in placeholders.items():
+        mine = owned[placeholder]
+        width = next((t.nbytes // math.prod(t.dims) for _, t in mine if math.prod(t.dims)), 4)
+        rows.append(
+            WeightBytes(
+                name,
+                tuple(param.shape),
+                param.numel() * width,
+                sum(t.nbytes for _, t in mine),
+                tuple(label for label, _ in mine),
+            )
+        )
+    return rows
+
+
+def _bytes(value: object) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_bytes(v) for v in value)
+    return 0
+
+
+def delegate_io_bytes(edge: object) -> list[tuple[int, int]]:
+    """(input bytes, output bytes) of each delegate call, in graph order.
+
+    Every input and output of one call is alive in executorch's planned memory
+    while it runs (unless it is a constant or a program input).
+    """
+    sizes = []
+    for node in edge.exported_program().graph.nodes:  # type: ignore[attr-defined]
+        if node.op == "call_function" and "executorch_call_delegate" in str(node.target):
+            inputs = sum(
+                _bytes(a.meta.get("val")) for a in node.args[1:] if isinstance(a, torch.fx.Node)
+            )
+            sizes.append((inputs, _bytes(node.meta.get("val"))))
+    return sizes
+
+
+def planned_memory(program: object) -> int:
+    """Bytes of executorch's planned (non-constant) buffers of the ``forward`` method."""
+    plans = program.executorch_program.execution_plan  # type: ignore[attr-defined]
+    plan = next((p for p in plans if p.name == "forward"), plans[0])
+    return sum(plan.non_const_buffer_sizes)
+
+
+# --- one lowering, measured ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Lowered:
+    label: str
+    qnn_macs: dict[str, int]  # QNN op type -> MACs, all partitions
+    cpu_macs: dict[str, int]  # aten op -> MACs outside the delegates
+    weights: list[WeightBytes]
+    static_bytes: int  # every static QNN tensor
+    planned: int
+    pte: int
+    context: int
+    delegates: int
+    backward_delegated: str  # "k of n" convolution_backward
+    on_cpu: list[str]  # ops outside every delegate
+    delegate_io: list[tuple[int, int]]  # (input, output) bytes per delegate call
+
+    @property
+    def total_macs(self) -> int:
+        return sum(self.qnn_macs.values()) + sum(self.cpu_macs.values())
+
+
+@dataclasses.dataclass
+class CostReport:
+    name: str
+    soc: str
+    ideal: list[LayerMacs]
+    lowerings: list[Lowered]
+
+    def ideal_total(self, phase: str | None = None) -> int:
+        if phase is None:
+            return sum(layer.total for layer in self.ideal)
+        return sum(getattr(layer, phase) for layer in self.ideal)
+
+
+def measure_lowering(
+    case: models.TrainingCase, soc: str, label: str, skip_node_op_set: set | None = None
+) -> Lowered:
+    from . import api
+    from .toolchain import harness
+
+    with integration.capture_qnn_graphs() as graphs:
+        result = api.lower(
+            case.joint(), harness.compile_specs(soc), skip_node_op_set=skip_node_op_set
+        )
+    program = result.edge.to_executorch()
+    qnn: dict[str, int] = {}
+    for ops in graphs:
+        for op in ops:
+            macs = qnn_op_macs(op)
+            if macs is not None:
+                qnn[op.op_type] = qnn.get(op.op_type, 0) + macs
+    report = result.report
+    return Lowered(
+        label=label,
+        qnn_macs=qnn,
+        cpu_macs=cpu_macs(result.edge),
+        weights=frozen_weight_bytes(case.model, graphs),
+        static_bytes=sum(t.nbytes for t in static_tensors(graphs).values()),
+        planned=planned_memory(program),
+        pte=len(program.buffer),
+        context=sum(len(b) for b in harness.context_binaries(result.edge)),
+        delegates=harness.delegate_count(result.edge),
+        backward_delegated=f"{report.delegated} of {len(report.rows)}",
+        on_cpu=train_cli.cpu_ops(result.edge),
+        delegate_io=delegate_io_bytes(result.edge),
+    )
+
+
+def measure(
+    case: models.TrainingCase, soc: str = "SM8650", cpu_baseline: bool = True
+) -> CostReport:
+    """The plugin's lowering of ``case`` and, when asked, every backward kept on CPU."""
+    lowerings = [measure_lowering(case, soc, "plugin")]
+    if cpu_baseline:
+        lowerings.append(measure_lowering(case, soc, "backward on CPU", set(BACKWARD_ON_CPU)))
+    return CostReport(case.name, soc, ideal_macs(case.model, case.inputs), lowerings)
+
+
+# --- text ----------------------------------------------------------------------------------
+
+
+def _ratio(a: int, b: int) -> str:
+    return f"{a / b:.2f}" if b else "-"
+
+
+def to_markdown(report: CostReport) -> str:
+    ideal = report.ideal_total()
+    lines = [
+        f"### {report.name} on {report.soc}",
+        "",
+        "Ideal MACs of one training step: "
+        + ", ".join(f"{p} {report.ideal_total(p):,}" for p in PHASES)
+        + f"; total {ideal:,}.",
+        "",
+        "| lowering | where | op | MACs | / ideal total |",
+        "|---|---|---|---|---|",
+    ]
+    for low in report.lowerings:
+        for op, macs in sorted(low.qnn_macs.items()):
+            lines.append(f"| {low.label} | HTP | {op} | {macs:,} | {_ratio(macs, ideal)} |")
+        for op, macs in sorted(low.cpu_macs.items()):
+            lines.append(f"| {low.label} | CPU | {op} | {macs:,} | {_ratio(macs, ideal)} |")
+        lines.append(
+            f"| {low.label} | all | **total** | **{low.total_macs:,}** | "
+            f"**{_ratio(low.total_macs, ideal)}** |"
+        )
+    lines += [
+        "",
+        "| lowering | convolution_backward delegated | delegates | static QNN bytes "
+        "| context bytes | .pte bytes | planned memory (forward) | largest delegate in + out |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for low in report.lowerings:
+        lines.append(
+            f"| {low.label} | {low.backward_delegated} | {low.delegates} | "
+            f"{low.static_bytes:,} | {low.context:,} | {low.pte:,} | {low.planned:,} | "
+            f"{max((i + o for i, o in low.delegate_io), default=0):,} |"
+        )
+    lines.append("")
+    lines += [
+        f"* on CPU ({low.label}): {', '.join(low.on_cpu) or 'nothing'}" for low in report.lowerings
+    ]
+    frozen = [(low, w) for low in report.lowerings for w in low.weights]
+    if frozen:
+        lines += [
+            "",
+            "| lowering | frozen parameter | shape | size B | static QNN B | tensors "
+            "| partitions | ratio |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for low, w in frozen:
+            shape = "x".join(map(str, w.shape))
+            lines.append(
+                f"| {low.label} | {w.parameter} | {shape} | {w.size:,} | {w.static:,} | "
+                f"{len(w.tensors)} | {w.partitions} | {w.ratio:.2f} |"
+            )
+    return "\n".join(lines)
+
+
+# --- CLI: qnn-convbwd cost ---------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", choices=sorted(models.TRAINING_MODELS), default="cifar")
+    parser.add_argument("--soc", default="SM8650", help="target SoC (default SM8650, HTP V75)")
+    scheme = parser.add_mutually_exclusive_group()
+    scheme.add_argument("--frozen", dest="trainable", action="store_false", help="(default)")
+    scheme.add_argument("--trainable", dest="trainable", action="store_true")
+    parser.set_defaults(trainable=False)
+    parser.add_argument(
+        "--no-cpu-baseline",
+        dest="cpu_baseline",
+        action="store_false",
+        help="skip the lowering with every backward op kept on CPU",
+    )
+
+
+def run(args) -> int:
+    case = models.TRAINING_MODELS[args.model](args.trainable)
+    print(to_markdown(measure(case, args.soc, args.cpu_baseline)))
+    return 0
+
+
+__all__ = [
+    "BACKWARD_ON_CPU",
+    "MAC_OPS",
+    "CostReport",
+    "LayerMacs",
+    "Lowered",
+    "WeightBytes",
+    "cpu_macs",
+    "delegate_io_bytes",
+    "frozen_weight_bytes",
+    "ideal_macs",
+    "measure",
+    "planned_memory",
+    "qnn_op_macs",
+    "static_tensors",
+    "to_markdown",
+]

@@ -1,0 +1,75 @@
+"""Per-QNN-op cycles of one training step on the x86-64 HTP simulator, from ETDump.
+
+Lowers a model of ``models.TRAINING_MODELS`` with executorch's QNN profiling
+(``generate_qnn_executorch_compiler_spec(profile_level=2)``, kProfileDetailed),
+runs ``forward`` ``--runs`` times with ``Runtime.load_program(enable_etdump=True)``
+and prints the cycles the QNN profiler reports per op and run. See
+docs/cost.md for what these numbers are worth on the simulator.
+
+    python scripts/op_cycles.py --model demo --runs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from qnn_convbwd import api, models
+from qnn_convbwd.toolchain import ensure_sdk
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(models.TRAINING_MODELS), default="demo")
+    parser.add_argument("--trainable", action="store_true")
+    parser.add_argument("--soc", default="SM8650")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--level", type=int, default=2, choices=(2, 3), help="2 detailed, 3 optrace"
+    )
+    args = parser.parse_args()
+
+    ensure_sdk()
+    from executorch.backends.qualcomm.serialization.qc_schema import QcomChipset
+    from executorch.backends.qualcomm.utils.utils import (
+        generate_htp_compiler_spec,
+        generate_qnn_executorch_compiler_spec,
+    )
+    from executorch.devtools.etdump.serialize import deserialize_from_etdump_flatcc
+    from executorch.runtime import Runtime
+
+    specs = generate_qnn_executorch_compiler_spec(
+        getattr(QcomChipset, args.soc),
+        generate_htp_compiler_spec(use_fp16=True),
+        profile_level=args.level,
+    )
+    case = models.TRAINING_MODELS[args.model](args.trainable)
+    pte = api.lower(case.joint(), specs).edge.to_executorch().buffer
+    program = Runtime.get().load_program(pte, enable_etdump=True, debug_buffer_size=int(1e7))
+    method = program.load_method("forward")
+    for _ in range(args.runs):
+        method.execute(list(case.inputs))
+    with tempfile.TemporaryDirectory() as tmp:
+        etdump, debug = Path(tmp, "run.etdp"), Path(tmp, "debug.bin")
+        program.write_etdump_result_to_file(str(etdump), str(debug))
+        dump = deserialize_from_etdump_flatcc(etdump.read_bytes())
+    runs: list[dict[str, int]] = []
+    for run in dump.run_data:
+        events = {}
+        for event in run.events or []:
+            profile = event.profile_event
+            # QNN's events carry their name in delegate_debug_id_str
+            name = profile and (profile.name or profile.delegate_debug_id_str)
+            if name:
+                events[name] = profile.end_time - profile.start_time
+        if any(name.endswith("(cycles)") for name in events):
+            runs.append(events)
+    names = [n for n in runs[0] if n.endswith("(cycles)")] if runs else []
+    print(f"{case.name} on {args.soc}, profile level {args.level}: cycles per run")
+    for name in names:
+        print(f"{name[: -len(' (cycles)')]:<70}" + "".join(f"{r.get(name, 0):>12,}" for r in runs))
+
+
+if __name__ == "__main__":
+    main()

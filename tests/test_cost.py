@@ -1,0 +1,235 @@
+"""qnn_convbwd.cost: multiply-adds of QNN ops and of the ideal training step.
+
+The MAC formulas are checked against torch's own ``FlopCounterMode`` (2 FLOPs
+a multiply-add) on generated configurations, the ideal step against the FLOPs
+torch counts for a real forward + backward, and one measured lowering (demo,
+frozen backbone) against hand-computed values.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from qnn_convbwd import cost, models
+from qnn_convbwd.integration import QnnOpInfo, QnnTensorInfo
+
+
+def _tensor(name: str, t: torch.Tensor, kind: str = "QNN_TENSOR_TYPE_NATIVE") -> QnnTensorInfo:
+    return QnnTensorInfo(name, kind, tuple(t.shape), t.numel() * 4)
+
+
+def _op(op_type: str, inputs: list[torch.Tensor], output: torch.Tensor) -> QnnOpInfo:
+    return QnnOpInfo(
+        "op",
+        op_type,
+        tuple(_tensor(f"in{i}", t) for i, t in enumerate(inputs)),
+        (_tensor("out", output),),
+    )
+
+
+def _torch_macs(fn, *args) -> tuple[int, torch.Tensor]:
+    with FlopCounterMode(display=False) as counter:
+        out = fn(*args)
+    return counter.get_total_flops() // 2, out
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    """NC* -> N*C, QNN's activation layout."""
+    return t.permute(0, *range(2, t.dim()), 1)
+
+
+CONV2D = list(
+    itertools.product(
+        [1, 2],  # batch
+        [(4, 8, 1), (6, 6, 3), (8, 8, 8), (4, 12, 4)],  # (in, out, groups)
+        [1, 3, (3, 1)],  # kernel
+        [1, 2],  # stride
+        [1, 2],  # dilation
+    )
+)
+
+
+@pytest.mark.parametrize(("batch", "channels", "kernel", "stride", "dilation"), CONV2D)
+def test_conv2d_and_transpose_conv2d_macs_match_torch(batch, channels, kernel, stride, dilation):
+    cin, cout, groups = channels
+    kh, kw = (kernel, kernel) if isinstance(kernel, int) else kernel
+    x = torch.randn(batch, cin, 9, 10)
+    w = torch.randn(cout, cin // groups, kh, kw)
+    expected, y = _torch_macs(F.conv2d, x, w, None, stride, 1, dilation, groups)
+    depthwise = groups == cin and cout % cin == 0 and groups > 1
+    op_type = "DepthWiseConv2d" if depthwise and cin == cout else "Conv2d"
+    # QNN Conv2d filter HWIO [kh, kw, in/groups, out]; DepthWiseConv2d [kh, kw, 1, out]
+    qnn_filter = w.permute(2, 3, 1, 0)
+    op = _op(op_type, [_channels_last(x), qnn_filter], _channels_last(y))
+    assert cost.qnn_op_macs(op) == expected
+
+    # The transposed convolution of y back to x's channels, torch weight [in, out/groups, kh, kw]
+    wt = torch.randn(cout, cin // groups, kh, kw)
+    expected_t, xt = _torch_macs(F.conv_transpose2d, y, wt, None, stride, 1, 0, groups, dilation)
+    # QNN TransposeConv2d filter [kh, kw, in, out/groups]
+    op = _op("TransposeConv2d", [_channels_last(y), wt.permute(2, 3, 0, 1)], _channels_last(xt))
+    assert cost.qnn_op_macs(op) == expected_t
+
+
+@pytest.mark.parametrize(
+    ("channels", "kernel", "stride"),
+    [((4, 8, 1), 3, 1), ((4, 4, 2), (3, 1, 1), 2), ((6, 6, 6), 2, (1, 2, 2))],
+)
+def test_conv3d_and_transpose_conv3d_macs_match_torch(channels, kernel, stride):
+    cin, cout, groups = channels
+    k = (kernel,) * 3 if isinstance(kernel, int) else kernel
+    x = torch.randn(2, cin, 5, 6, 7)
+    w = torch.randn(cout, cin // groups, *k)
+    expected, y = _torch_macs(F.conv3d, x, w, None, stride, 1, 1, groups)
+    op = _op("Conv3d", [_channels_last(x), w.permute(2, 3, 4, 1, 0)], _channels_last(y))
+    assert cost.qnn_op_macs(op) == expected
+
+    wt = torch.randn(cout, cin // groups, *k)
+    expected_t, xt = _torch_macs(F.conv_transpose3d, y, wt, None, stride, 1, 0, groups)
+    op = _op("TransposeConv3d", [_channels_last(y), wt.permute(2, 3, 4, 0, 1)], _channels_last(xt))
+    assert cost.qnn_op_macs(op) == expected_t
+
+
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 8, 10), (4, 576, 10), (7, 3, 7)])
+def test_fully_connected_and_matmul_macs_match_torch(m, k, n):
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    expected, y = _torch_macs(F.linear, x, w)
+    assert cost.qnn_op_macs(_op("FullyConnected", [x, w], y)) == expected
+
+    a, b = torch.randn(3, k, m), torch.randn(3, k, n)  # a read transposed (transpose_in0)
+    expected, y = _torch_macs(torch.bmm, a.transpose(1, 2), b)
+    assert cost.qnn_op_macs(_op("MatMul", [a, b], y)) == expected
+    expected, y = _torch_macs(torch.bmm, a.transpose(1, 2).contiguous(), b)
+    assert cost.qnn_op_macs(_op("MatMul", [a.transpose(1, 2), b], y)) == expected
+
+
+def test_ops_that_do_not_multiply_have_no_macs():
+    x = torch.randn(1, 4, 4, 8)
+    assert cost.qnn_op_macs(_op("ElementWiseMultiply", [x, x], x)) is None
+    assert cost.qnn_op_macs(_op("Transpose", [x], x)) is None
+
+
+@pytest.mark.parametrize(
+    ("model", "trainable"),
+    [("demo", False), ("demo", True), ("resnet", True), ("mobilenet", False), ("cifar", False)],
+)
+def test_ideal_equals_torch_flops_of_a_training_step(model, trainable):
+    """Forward + backward MACs torch counts (its convolution_backward honours output_mask).
+
+    torch 2.13's FlopCounterMode counts a grouped grad_weight as if groups were 1
+    (measured: a 16x1x3x3 depthwise grad_weight counted 16x its forward MACs),
+    so that excess is added to ours before comparing.
+    """
+    case = models.TRAINING_MODELS[model](trainable)
+    layers = cost.ideal_macs(case.model, case.inputs)
+    with FlopCounterMode(display=False) as counter:
+        case.model(*case.inputs).backward()
+    modules = dict(case.model.named_modules())
+    torch_excess = sum(
+        (getattr(modules[layer.name], "groups", 1) - 1) * layer.grad_weight for layer in layers
+    )
+    assert sum(layer.total for layer in layers) + torch_excess == counter.get_total_flops() // 2
+    frozen = {n for n, p in case.model.named_parameters() if not p.requires_grad}
+    for layer in layers:
+        assert (layer.grad_weight == 0) == (f"{layer.name}.weight" in frozen)
+
+
+def test_ideal_of_the_demo_by_hand():
+    case = models.TRAINING_MODELS["demo"](False)
+    by_name = {layer.name: layer for layer in cost.ideal_macs(case.model, case.inputs)}
+    # 15x15 input, 8 channels: adapter 1x1 8->8; 3x3 8->16; 3x3 s2 16->16 (8x8 out);
+    # 3x3 depthwise 16; 1x1 16->8
+    forward = {
+        "adapter": 15 * 15 * 8 * 8,
+        "backbone.0": 15 * 15 * 16 * 9 * 8,
+        "backbone.2": 8 * 8 * 16 * 9 * 16,
+        "backbone.4": 8 * 8 * 16 * 9,
+        "backbone.6": 8 * 8 * 8 * 16,
+    }
+    assert {n: layer.forward for n, layer in by_name.items()} == forward
+    assert by_name["adapter"].grad_input == 0  # x needs no gradient
+    assert by_name["adapter"].grad_weight == forward["adapter"]
+    for name in forward.keys() - {"adapter"}:
+        assert by_name[name].grad_input == forward[name]  # flows on to the adapter
+        assert by_name[name].grad_weight == 0  # frozen
+
+
+@pytest.fixture(scope="module")
+def demo_cost(qnn_sdk):
+    return cost.measure(models.TRAINING_MODELS["demo"](False), "SM8650")
+
+
+def test_measured_demo_macs_by_hand(demo_cost):
+    plugin, on_cpu = demo_cost.lowerings
+    fwd = 14_400 + 259_200 + 147_456 + 9_216 + 8_192
+    assert demo_cost.ideal_total() == fwd + (fwd - 14_400) + 14_400
+    assert plugin.backward_delegated == "5 of 5" and not plugin.cpu_macs
+    # Conv2d: the forward convs (depthwise apart) and the adapter's grad_weight
+    assert plugin.qnn_macs["Conv2d"] == fwd - 9_216 + 14_400
+    assert plugin.qnn_macs["DepthWiseConv2d"] == 9_216
+    # grad_input: the stride-2 conv's runs on zero-upsampled 16x16 grad_output (4x)
+    assert plugin.qnn_macs["TransposeConv2d"] == 259_200 + 4 * 147_456 + 9_216 + 8_192
+    # Kept on CPU: the program still holds every convolution_backward, at the ideal count
+    assert on_cpu.backward_delegated == "0 of 5"
+    assert on_cpu.cpu_macs == {"aten.convolution_backward.out": fwd}
+    assert on_cpu.total_macs == demo_cost.ideal_total()
+
+
+def test_measured_demo_bytes_and_memory(demo_cost):
+    plugin, on_cpu = demo_cost.lowerings
+    case = models.TRAINING_MODELS["demo"](False)
+    frozen = {n: p for n, p in case.model.named_parameters() if not p.requires_grad}
+    for low in (plugin, on_cpu):
+        assert {w.parameter for w in low.weights} == set(frozen)
+        for w in low.weights:
+            assert len(w.tensors) == 1  # stored once in the QNN graph
+            assert w.size == frozen[w.parameter].numel() * 4  # declared fp32
+            assert w.static >= w.size
+    # runtime_weight's flat [1, H, 8, 32] static tensor: 16x8x3x3 = 1152 elements -> 2048
+    assert next(w for w in plugin.weights if w.parameter == "backbone.0.weight").static == 8192
+    assert plugin.delegates == 1 and on_cpu.delegates > 1
+    assert len(plugin.delegate_io) == 1 and len(on_cpu.delegate_io) == on_cpu.delegates
+    assert 0 < plugin.planned < on_cpu.planned
+    assert "| plugin | HTP | TransposeConv2d | 866,432 |" in cost.to_markdown(demo_cost)
+
+
+def test_planned_memory_reads_the_forward_plan():
+    class Plan:
+        def __init__(self, name, sizes):
+            self.name, self.non_const_buffer_sizes = name, sizes
+
+    class Program:
+        class executorch_program:  # noqa: N801 (executorch's attribute name)
+            execution_plan = [Plan("__et_training_x", [0, 5]), Plan("forward", [0, 7, 3])]
+
+    assert cost.planned_memory(Program()) == 10
+    weight = cost.WeightBytes("w", (1,), 4, 8, ("0:p_w@0", "2:p_w@0"))
+    assert weight.ratio == 2.0 and weight.partitions == 2
+
+
+def test_cli_prints_the_report(demo_cost, monkeypatch, capsys):
+    import argparse
+
+    from qnn_convbwd import cli
+
+    assert cli.COMMANDS["cost"][0] == "qnn_convbwd.cost"
+    parser = argparse.ArgumentParser()
+    cost.add_arguments(parser)
+    args = parser.parse_args(["--model", "demo", "--frozen", "--soc", "SM8650"])
+    seen = []
+
+    def measure(case, soc, cpu_baseline):
+        seen.append((case.name, soc, cpu_baseline))
+        return demo_cost
+
+    monkeypatch.setattr(cost, "measure", measure)
+    assert cost.run(args) == 0
+    assert seen == [("demo-15px-frozen", "SM8650", True)]
+    out = capsys.readouterr().out
+    assert "### demo-15px-frozen on SM8650" in out
+    assert "* on CPU (backward on CPU): convolution_backward, mean" in out

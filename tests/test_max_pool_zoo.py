@@ -156,7 +156,7 @@ def test_resnet18_pool_backward_alone_on_htp_matches_torch(qnn_sdk, resnet18):
     compiled = harness.lower_program(
         resnet18.program,
         "SM8650",
-        skip_node_op_set=_all_ops_but_the_pool_backward(resnet18, "SM8350"),
+        skip_node_op_set=_all_ops_but_the_pool_backward(resnet18, "SM8650"),
     )
     assert _backwards_left(compiled) == 0
     _assert_matches(resnet18, compiled.run(resnet18.inputs), [UPSTREAM])

@@ -70,3 +70,69 @@ def import_torchvision() -> ModuleType:
             f"torchvision {version} does not import with torch {torch.__version__} "
             f"({type(err).__name__}: {err}); this project pins torchvision=={TORCHVISION}"
         ) from err
+
+
+ARCHITECTURES = ("resnet18", "mobilenet_v2", "mobilenet_v3_small")
+
+
+class Finetune(torch.nn.Module):
+    """``net`` with an MSE loss against a target: what the joint graph trains."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x, target):
+        return torch.nn.functional.mse_loss(self.net(x), target)
+
+
+def bias_only(arch: str, size: int = 32, classes: int = 10, seed: int = 0):
+    """``models.TrainingGraph`` of torchvision's ``arch``, bias-only fine-tuning, MSE.
+
+    Random weights (``seed``); batch-norm statistics are the plain average
+    (momentum None) of 3 train-mode passes over random batches of 4, then eval();
+    every bias trains (batch-norm biases included), every weight is frozen.
+    Batch 1, ``size`` x ``size`` input.
+    """
+    from torch.export.experimental import _export_forward_backward
+
+    from qnn_convbwd import models
+
+    torchvision = import_torchvision()
+    torch.manual_seed(seed)
+    net = getattr(torchvision.models, arch)(num_classes=classes)
+    for module in net.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.momentum = None
+            module.reset_running_stats()
+    net.train()
+    with torch.no_grad():
+        for _ in range(3):
+            net(torch.randn(4, 3, size, size))
+    net.eval()
+    for name, parameter in net.named_parameters():
+        parameter.requires_grad_(name.endswith("bias"))
+    model = Finetune(net)
+    inputs = (torch.randn(1, 3, size, size), torch.randn(1, classes))
+    joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
+    return models.TrainingGraph(arch, model, inputs, joint)
+
+
+def joint_outputs(graph, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The joint graph's outputs (loss, gradients) of a training program's ``forward``.
+
+    ``to_executorch()`` of a joint graph appends the trained parameters to the
+    outputs (ExecuTorch's training runtime reads them from there); checked to be
+    the parameters' values, then dropped.
+    """
+    from qnn_convbwd import fidelity
+
+    names = fidelity.output_names(graph.program)
+    trained = [n for n in names if n != "loss"]
+    params = dict(graph.model.named_parameters())
+    tail = outputs[len(names) :]
+    if len(tail) != len(trained) or not all(
+        torch.equal(t, params[n].detach()) for t, n in zip(tail, trained)
+    ):
+        raise RuntimeError(f"{len(outputs)} outputs: not {len(names)} + the trained parameters")
+    return outputs[: len(names)]

@@ -38,7 +38,8 @@ def refusal(node: torch.fx.Node, program) -> str | None:
     trainable = [arg.name for arg in node.args if signature.is_trainable_parameter(arg, program)]
     if not trainable:
         return None
-    name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+    # Edge ops are named "aten.<op>.<overload>", ATen overloads "<op>.<overload>".
+    name = getattr(node.target, "__name__", str(node.target)).removeprefix("aten.").split(".")[0]
     if name in _STATIC_PARAMETER_OPS:
         return (
             f"executorch's {name} visitor takes {', '.join(trainable)} as a constant; "

@@ -1,0 +1,76 @@
+"""Fidelity of torchvision models' bias-only training step on the HTP simulator.
+
+For each architecture (``tests/zoo.bias_only``: random weights, batch-norm
+statistics from random batches, every bias trained, MSE, 32x32): lower the joint
+graph for a SoC with ``qnn_convbwd.lower``, run it on the x86-64 HTP simulator,
+judge every output with ``qnn_convbwd.fidelity`` against torch fp32 and fp16.
+Prints one markdown row per architecture (and, with ``--tensors``, the full
+per-tensor report).
+
+    PYTHONPATH=. python scripts/zoo_fidelity.py [--soc SM8650] [--tensors] [arch ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import zoo  # noqa: E402
+
+from qnn_convbwd import fidelity  # noqa: E402
+from qnn_convbwd.toolchain import harness  # noqa: E402
+from qnn_convbwd.train_cli import cpu_ops  # noqa: E402
+
+
+def measure(arch: str, soc: str, size: int) -> tuple[str, fidelity.Report]:
+    start = time.perf_counter()
+    graph = zoo.bias_only(arch, size)
+    export_s = time.perf_counter() - start
+    compiled = harness.lower_program(graph.program, soc)
+    start = time.perf_counter()
+    outputs = compiled.run(list(graph.inputs))
+    run_s = time.perf_counter() - start
+    outputs = zoo.joint_outputs(graph, outputs)
+    report = fidelity.assess_model(graph.model, graph.inputs, graph.program, outputs)
+    rows = compiled.report.rows
+    worst = report.worst()
+    row = (
+        f"| {arch} | {harness.delegate_count(compiled.edge)} "
+        f"| {', '.join(cpu_ops(compiled.edge)) or 'nothing'} "
+        f"| {compiled.report.delegated} of {len(rows)} | {len(report.rows)} "
+        f"| {'yes' if report.within else 'no'} "
+        f"| {'; '.join(report.offending) or '-'} "
+        f"| {worst.name} {worst.htp.rel_l2:.3g} (floor {worst.floor.rel_l2:.3g}) "
+        f"| {export_s:.0f} + {compiled.lower_seconds:.0f} + {run_s:.0f} |"
+    )
+    return row, report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("arch", nargs="*", default=list(zoo.ARCHITECTURES))
+    parser.add_argument("--soc", default="SM8650")
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--tensors", action="store_true", help="per-tensor report too")
+    args = parser.parse_args()
+    print(
+        "| model | delegates | on CPU | convolution_backward delegated | outputs | within "
+        "| offending | worst rel L2 | export + lower + run s |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    ok = True
+    for arch in args.arch:
+        row, report = measure(arch, args.soc, args.size)
+        print(row, flush=True)
+        if args.tensors:
+            print(report.to_markdown(), flush=True)
+        ok &= report.within
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""torchvision classifiers, bias-only fine-tuning at 32x32 on SM8650: every tensor of
+the training step within fidelity (``qnn_convbwd.fidelity``: relative L2 at most
+twice torch's own fp16 step's, plus 1e-3), every convolution backward delegated.
+
+The graphs are ``zoo.bias_only`` (random weights, batch-norm statistics from random
+batches, every bias trained, MSE); docs/zoo.md has the measured table and
+``scripts/zoo_fidelity.py`` prints it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import zoo
+
+from qnn_convbwd import fidelity
+from qnn_convbwd.toolchain import harness
+
+SOC = "SM8650"
+
+
+def _graph(arch: str):
+    try:
+        return zoo.bias_only(arch)
+    except zoo.TorchvisionUnavailable as err:
+        pytest.skip(str(err))
+
+
+def _check(arch: str, delegates: int, convolution_backwards: int) -> None:
+    graph = _graph(arch)
+    compiled = harness.lower_program(graph.program, SOC)
+    assert harness.delegate_count(compiled.edge) == delegates
+    rows = compiled.report.rows
+    assert len(rows) == convolution_backwards
+    assert all(r.delegated for r in rows), [r.summary for r in rows if not r.delegated]
+    outputs = zoo.joint_outputs(graph, compiled.run(list(graph.inputs)))
+    report = fidelity.assess_model(graph.model, graph.inputs, graph.program, outputs)
+    assert report.within, report.offending
+
+
+def test_resnet18_bias_only_within_fidelity(qnn_sdk):
+    # 2 delegates: the forward max_pool2d_with_indices stays on CPU between them.
+    _check("resnet18", delegates=2, convolution_backwards=19)

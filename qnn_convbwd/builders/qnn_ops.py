@@ -55,9 +55,17 @@ def new_op(name: str, op_type: str, inputs: Sequence, outputs: Sequence):
 
 def native_tensor(visitor, name: str, shape: Sequence[int], dtype: torch.dtype, nodes_to_wrappers):
     """A data-less QNN tensor produced inside the graph (cached under ``name``)."""
+    native = adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
+    return declared_tensor(visitor, name, shape, dtype, nodes_to_wrappers, native)
+
+
+def declared_tensor(
+    visitor, name: str, shape: Sequence[int], dtype: torch.dtype, nodes_to_wrappers, tensor_type
+):
+    """A data-less QNN tensor of ``tensor_type`` (cached under ``name``)."""
     return visitor.define_custom_tensor_wrapper(
         node_name=name,
-        tensor_type=adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE,
+        tensor_type=tensor_type,
         dtype=integration.get("QNN_TENSOR_TYPE_MAP")[dtype],
         quant_encoding=adaptor_enum(
             "Qnn_QuantizationEncoding_t"

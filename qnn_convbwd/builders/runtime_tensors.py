@@ -56,18 +56,9 @@ def runtime_tensor(visitor, node: torch.fx.Node, build_node: torch.fx.Node, node
     if integration.get("is_parameter")(node, visitor.edge_program):
         # A trainable parameter while the partitioner validates: the compiled graph
         # gets it as an input, so declare it as one (no data).
-        wrapper = visitor.define_custom_tensor_wrapper(
-            node_name=node.name,
-            tensor_type=qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_APP_WRITE,
-            dtype=integration.get("QNN_TENSOR_TYPE_MAP")[value.dtype],
-            quant_encoding=qnn_ops.adaptor_enum(
-                "Qnn_QuantizationEncoding_t"
-            ).QNN_QUANTIZATION_ENCODING_UNDEFINED,
-            quant_configs={},
-            dims=torch.Size(physical),
-            tensor=None,
-            is_fake_tensor=True,
-            nodes_to_wrappers=nodes_to_wrappers,
+        app_write = qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_APP_WRITE
+        wrapper = qnn_ops.declared_tensor(
+            visitor, node.name, physical, value.dtype, nodes_to_wrappers, app_write
         )
         return wrapper, order
     native = qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE

@@ -19,6 +19,7 @@ import torch
 from .. import integration
 from ..builders import pool_geometry as pg
 from .target import Target
+from .verdict import Rejection
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +40,8 @@ def is_max_pool_backward(node) -> bool:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Rejection:
-    rule: str
-    reason: str
-    values: str
-
-    def message(self, node_name: str) -> str:
-        return f"{OP} {node_name}: not delegated: {self.reason} ({self.values})"
+def _rejection(rule: str, reason: str, values: str) -> Rejection:
+    return Rejection(rule, reason, values, op=OP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,16 +67,16 @@ def rule(fn: Rule) -> Rule:
 @rule
 def backend_is_htp(node, pool, target):
     if not target.known:
-        return Rejection("", "compile specs unknown: kept on CPU", "no compile specs")
+        return _rejection("", "compile specs unknown: kept on CPU", "no compile specs")
     if target.backend != "htp":
-        return Rejection("", "backend is not HTP", f"backend={target.backend}")
+        return _rejection("", "backend is not HTP", f"backend={target.backend}")
     return None
 
 
 @rule
 def htp_arch_supported(node, pool, target):
     if target.htp_arch is None or target.htp_arch < MIN_HTP_ARCH:
-        return Rejection(
+        return _rejection(
             "",
             f"HTP arch below V{MIN_HTP_ARCH} cannot compile the window masks' float Select",
             f"soc={target.soc}, arch=V{target.htp_arch}",
@@ -92,7 +87,7 @@ def htp_arch_supported(node, pool, target):
 @rule
 def float_gradient(node, pool, target):
     if pool.dtype not in FLOAT_DTYPES:
-        return Rejection("", "grad_output dtype is not float32 or float16", f"dtype={pool.dtype}")
+        return _rejection("", "grad_output dtype is not float32 or float16", f"dtype={pool.dtype}")
     return None
 
 
@@ -102,7 +97,7 @@ def window_size(node, pool, target):
     for k in pool.kernel:
         count *= k
     if count > MAX_WINDOW:
-        return Rejection(
+        return _rejection(
             "",
             f"window of more than {MAX_WINDOW} elements (one op chain per element)",
             f"kernel_size={list(pool.kernel)}",
@@ -125,7 +120,7 @@ def windows_fit(node, pool, target):
     if expected != list(pool.out_sizes) or any(
         p > k // 2 for p, k in zip(pool.padding, pool.kernel)
     ):
-        return Rejection(
+        return _rejection(
             "",
             "grad_output size is not torch's pooled size of the input",
             f"input={list(pool.in_sizes)}, grad_output={list(pool.out_sizes)}, "
@@ -138,7 +133,7 @@ def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:
     try:
         pool = pg.parse(node)
     except pg.PoolArgumentError as err:
-        rejection = Rejection("parse", "arguments not understood", str(err))
+        rejection = _rejection("parse", "arguments not understood", str(err))
         pool = None
     else:
         rejection = None

@@ -26,6 +26,7 @@ import torch
 from .. import integration, signature
 from ..builders import conv_geometry as geo
 from .target import Target
+from .verdict import Rejection
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +57,6 @@ def spatial_capability(spatial_dims: int) -> str:
 
 def _missing(*needs: str) -> list[str]:
     return sorted(n for n in needs if n not in CAPABILITIES)
-
-
-@dataclasses.dataclass(frozen=True)
-class Rejection:
-    rule: str
-    reason: str
-    values: str
-
-    def message(self, node_name: str) -> str:
-        return f"convolution_backward {node_name}: not delegated: {self.reason} ({self.values})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -206,3 +206,29 @@ def test_readme_example_trains(qnn_sdk, tmp_path):
         if re.match(r"^\d+ [-\d.]+$", line)
     ]
     assert len(losses) == 5 and losses[-1] < losses[0], done.stdout
+
+
+def test_stock_executorch_flow_after_enable_trains(qnn_sdk):
+    """The user's own ExecuTorch code after ``enable()`` (QnnPassManager passes,
+    ``to_edge_transform_and_lower`` with ``QnnPartitioner``) gives a program that
+    TrainingModule trains, as ``qnn_convbwd.lower`` does."""
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
+    from executorch.exir import to_edge_transform_and_lower
+
+    case = models.adapter_case("demo", trainable=True)
+    specs = harness.compile_specs(SOC)
+    with qnn_convbwd.enabled():
+        manager = QnnPassManager()
+        program = manager.transform_for_export_pipeline(case.joint())
+        edge = to_edge_transform_and_lower(
+            program,
+            transform_passes=manager.get_to_edge_transform_passes(program, compiler_specs=specs),
+            partitioner=[QnnPartitioner(specs)],
+            compile_config=qnn_edge_config(),
+        )
+        pte = edge.to_executorch().buffer
+    assert harness.delegate_count(edge) == 1
+    run = training.train_side_by_side(pte, case.model, case.inputs, 3, LR)
+    assert_trains_like_torch(run)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from . import delegate_io, integration, logs, options, signature
-from .builders import conv_geometry as geo
+from .geometry import conv as geo
 from .partition import cpu_kernel, max_pool, support, trainable
 from .partition.target import Target
 from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes

@@ -25,7 +25,7 @@ from torch import nn
 
 import qnn_convbwd
 from qnn_convbwd import models
-from qnn_convbwd.builders import conv_geometry as geo
+from qnn_convbwd.geometry import conv as geo
 
 U_FP16 = 2.0**-11
 BOUND_FACTOR = 4.0
@@ -461,7 +461,7 @@ def test_workaround_computes_the_defective_cases_right(qnn_sdk, config, stride):
     strict=True,
     reason="HTP defect (QAIRT 2.51 simulator): TransposeConv2d output_padding is wrong for "
     "depthwise convs and beyond the full extent. XPASS means QAIRT fixed it: revisit "
-    "conv_geometry.parameter_is_reliable.",
+    "geometry.conv.parameter_is_reliable.",
 )
 @pytest.mark.parametrize("config", [DEPTHWISE_OP_WITHIN_PAD, BEYOND_FULL_EXTENT], ids=str)
 def test_output_padding_parameter_is_still_defective(qnn_sdk, config):

@@ -20,7 +20,7 @@ from torch import nn
 
 from qnn_convbwd import integration, models
 from qnn_convbwd.builders import op_max_pool_backward as mpb
-from qnn_convbwd.builders import pool_geometry as pg
+from qnn_convbwd.geometry import pool as pg
 from qnn_convbwd.partition import max_pool
 from qnn_convbwd.passes import max_pool_backward
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from qnn_convbwd import options
 from qnn_convbwd import weight_bytes as wb
-from qnn_convbwd.builders import conv_geometry as geo
 from qnn_convbwd.builders import input_gradient_runtime_weight as rw
+from qnn_convbwd.geometry import conv as geo
 
 # Measured with QAIRT 2.51 (x86-64 simulator), fp16, 256x256x3x3 weight (1,179,648
 # bytes): the backward adds 12,288 context bytes with runtime_weight on V69, V75

@@ -46,7 +46,7 @@ from collections.abc import Callable
 import torch
 
 from .. import integration
-from . import conv_geometry as geo
+from ..geometry import conv as geo
 from . import qnn_ops, runtime_tensors, transpose_conv
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from .. import integration
-from ..builders import pool_geometry as pg
+from ..geometry import pool as pg
 from .target import Target
 from .verdict import Rejection
 

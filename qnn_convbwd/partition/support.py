@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from .. import integration, signature
-from ..builders import conv_geometry as geo
+from ..geometry import conv as geo
 from .target import Target
 from .verdict import Rejection
 

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 from .. import integration, signature
-from ..builders import conv_geometry as geo
+from ..geometry import conv as geo
 from ..partition import support
 
 # Node meta key: the name of the lifted node that this node (or the node itself)

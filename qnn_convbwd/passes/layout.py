@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .. import integration, nodes
-from ..builders import conv_geometry as geo
+from ..geometry import conv as geo
 
 
 def _is_conv_bwd(node) -> bool:

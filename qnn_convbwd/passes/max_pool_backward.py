@@ -8,7 +8,7 @@ partitioning:
   max pool visitor refuses a pool whose indices are used);
 * its input, read only for its shape, replaced by a static-shape ``full``
   (``SHAPE_OF``, see ``shape_only_operands.py``);
-* ``INDEX_PLANE``: the plane its indices count in (``pool_geometry.index_plane``).
+* ``INDEX_PLANE``: the plane its indices count in (``geometry.pool.index_plane``).
 
 A node that stays on CPU is rewritten into portable kernels that compute it
 right, when executorch's kernel would not::
@@ -42,8 +42,8 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration
-from ..builders import pool_geometry as pg
 from ..builders.op_max_pool_backward import INDEX_PLANE
+from ..geometry import pool as pg
 from ..partition import max_pool
 from ..partition.target import Target
 from .conv1d import ON_CPU

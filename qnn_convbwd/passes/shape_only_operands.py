@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 
 from .. import integration
-from ..builders import conv_geometry as geo
+from ..geometry import conv as geo
 
 SHAPE_OF = "qnn_convbwd_shape_of"
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from .. import integration
-from ..builders import conv_geometry as geo
+from ..geometry import conv as geo
 
 
 def split_input_gradient(

@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
-from . import delegate_io, integration, logs, options, signature
+from . import delegate_io, integration, logs, nodes, options, signature
 from .geometry import conv as geo
+from .meta import ON_CPU, SHAPE_OF, UNSCALE
+from .nodes import origins
 from .partition import cpu_kernel, max_pool, support, trainable
 from .partition.target import Target
 from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
 from .passes.batch_norm import StableBatchNorm
 from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
-from .passes.conv1d import ON_CPU
-from .passes.loss_scale import UNSCALE, ScaleLoss
-from .passes.shape_only_operands import SHAPE_OF
+from .passes.loss_scale import ScaleLoss
 
 logger = logging.getLogger(__name__)
 
@@ -35,25 +35,6 @@ _SKIP_ATTR = "_qnn_convbwd_skip"
 _nested_check: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "qnn_convbwd_nested_check", default=False
 )
-
-
-def _conv_bwd_edge_op():
-    return integration.get("ops").edge.aten.convolution_backward.default
-
-
-def _is_conv_bwd(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target == _conv_bwd_edge_op()
-
-
-def origins(node: torch.fx.Node) -> list[str]:
-    """The node's name and the names of the nodes it was traced from (``from_node``)."""
-    names = [node.name]
-    sources = list(node.meta.get("from_node") or [])
-    while sources:
-        source = sources.pop(0)
-        names.append(source.name)
-        sources.extend(getattr(source, "from_node", None) or [])
-    return names
 
 
 def _record(node: torch.fx.Node, decision: support.Decision) -> None:
@@ -101,7 +82,7 @@ def _would_delegate(checker, target: Target, node: torch.fx.Node) -> bool:
     A convolution_backward is judged by the rules and the skip options without
     building its ops again; any other node by the checker itself, quietly.
     """
-    if _is_conv_bwd(node):
+    if nodes.is_conv_bwd(node):
         return support.decide(node, target, log=False).supported and not _skipped(checker, node)
     token = _nested_check.set(True)  # the node logs its own verdict when visited
     try:
@@ -135,7 +116,7 @@ def _judge_conv_bwd(original, checker, target: Target, node: torch.fx.Node) -> b
 
 def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
     target: Target | None = getattr(checker, _TARGET_ATTR, None)
-    if target is not None and _is_conv_bwd(node):
+    if target is not None and nodes.is_conv_bwd(node):
         supported = _judge_conv_bwd(original, checker, target, node)
         if not supported and not _nested_check.get():
             _warn_if_cpu_cannot_run(node)
@@ -146,7 +127,7 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
             if not _nested_check.get():
                 logger.warning(trainable.message(node, refused))
             return False
-    if target is not None and max_pool.is_max_pool_backward(node):
+    if target is not None and nodes.is_max_pool_backward(node):
         # The transform pass took the same decision (and logged it) and prepared the node.
         if not max_pool.decide(node, target, log=False).supported or _skipped(checker, node):
             return False
@@ -183,7 +164,7 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
         and node.op == "call_function"
         and node.target == operator.getitem
         and isinstance(node.args[0], torch.fx.Node)
-        and _is_conv_bwd(node.args[0])
+        and nodes.is_conv_bwd(node.args[0])
     ):
         # A getitem is always "supported" upstream; one of a CPU node must stay on CPU
         # (including one executorch's skip options keep there).
@@ -229,7 +210,7 @@ def _hooks() -> integration.Hooks:
         op_max_pool_backward.TARGET: op_max_pool_backward.MaxPoolBackwardVisitor,
     }
     hooks.layout_sensitive_ops = (
-        _conv_bwd_edge_op(),
+        integration.get("ops").edge.aten.convolution_backward.default,
         integration.get("ops").edge.aten.max_pool2d_with_indices_backward.default,
     )
     hooks.on_support_init = _on_support_init
@@ -354,12 +335,7 @@ class LoweringResult:
 
 
 def _conv_bwd_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    aten_op = torch.ops.aten.convolution_backward.default
-    return [
-        n
-        for n in graph.nodes
-        if n.op == "call_function" and (n.target == aten_op or _is_conv_bwd(n))
-    ]
+    return [n for n in graph.nodes if nodes.is_conv_bwd(n)]
 
 
 def _cpu_refusals(graph: torch.fx.Graph) -> dict[str, str]:

@@ -223,7 +223,7 @@ def test_mobilenet_like_batch_norm_training_step_is_within_fidelity(qnn_sdk, tra
 
 @pytest.mark.htp
 def test_loss_scale_recovers_gradients_that_underflow_in_fp16(qnn_sdk):
-    from qnn_convbwd.passes.loss_scale import UNSCALE
+    from qnn_convbwd.meta import UNSCALE
     from qnn_convbwd.toolchain import harness
 
     graph = nm.small_loss_graph(1e-5)

@@ -80,3 +80,27 @@ def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
         assert "qnn_convbwd.a -> qnn_convbwd.b -> qnn_convbwd.a" in str(err)
     else:
         raise AssertionError("a two-module cycle was not reported")
+
+
+def _importers_of(prefix: str, among: tuple[str, ...]) -> dict[str, set[str]]:
+    """Modules under ``among`` (package-relative prefixes) that import ``prefix``."""
+    modules = _modules()
+    found = {}
+    for name, path in modules.items():
+        if not name.startswith(tuple(f"qnn_convbwd.{p}" for p in among)):
+            continue
+        bad = {m for m in _imports(name, path, modules) if m.startswith(f"qnn_convbwd.{prefix}")}
+        if bad:
+            found[name] = bad
+    return found
+
+
+def test_rules_passes_and_geometry_do_not_import_the_builders():
+    """The support rules and the passes decide and rewrite; the builders only build
+    QNN ops: what both need (geometry, metadata keys, node kinds) sits below both."""
+    assert _importers_of("builders", ("partition", "passes", "geometry", "meta", "nodes")) == {}
+
+
+def test_the_builders_check_sees_an_upward_import():
+    """Not vacuous: the builders' own modules import each other, and api imports them."""
+    assert "qnn_convbwd.api" in _importers_of("builders", ("api",))

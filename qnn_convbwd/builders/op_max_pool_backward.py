@@ -36,13 +36,12 @@ import torch
 
 from .. import integration
 from ..geometry import pool as pg
+from ..meta import INDEX_PLANE
 from . import qnn_ops
 
 NodeVisitor = integration.get("NodeVisitor")
 
 TARGET = "aten.max_pool2d_with_indices_backward.default"
-# Node meta key, set by passes/max_pool_backward.py: the IndexPlane of the node's indices.
-INDEX_PLANE = "qnn_convbwd_index_plane"
 
 
 def window_table(pool: pg.MaxPoolBackward, plane: pg.IndexPlane, offset) -> np.ndarray:

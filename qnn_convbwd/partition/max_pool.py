@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration
 from ..geometry import pool as pg
+from ..nodes import is_max_pool_backward  # noqa: F401 (its callers' name for it)
 from .target import Target
 from .verdict import Rejection
 
@@ -30,14 +30,6 @@ MIN_HTP_ARCH = 69
 FLOAT_DTYPES = (torch.float32, torch.float16)
 # Window offsets become one Equal/Select/Pad/Add chain each: bound the graph size.
 MAX_WINDOW = 49
-
-
-def is_max_pool_backward(node) -> bool:
-    return (
-        isinstance(node, torch.fx.Node)
-        and node.op == "call_function"
-        and node.target == integration.get("ops").edge.aten.max_pool2d_with_indices_backward.default
-    )
 
 
 def _rejection(rule: str, reason: str, values: str) -> Rejection:

@@ -25,6 +25,7 @@ import torch
 
 from .. import integration, signature
 from ..geometry import conv as geo
+from ..meta import PINNED
 from .target import Target
 from .verdict import Rejection
 
@@ -45,10 +46,6 @@ KNOWN_CAPABILITIES: frozenset[str] = frozenset(
 )
 # output_mask order: https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/native_functions.yaml
 GRADIENTS = ("grad_input", "grad_weight", "grad_bias")
-# Node meta key: the Decision taken on a node before a rewrite made its operands
-# unfit for the rules (a 1-D node lifted to 2-D for executorch's CPU kernel reads
-# views of its operands). decide() returns it instead of running the rules again.
-PINNED = "qnn_convbwd_pinned_decision"
 
 
 def spatial_capability(spatial_dims: int) -> str:

@@ -32,24 +32,16 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from .. import integration
+from .. import nodes
+from ..meta import NAME_SEEN, ON_CPU
 from ..partition import support
 from ..partition.target import Target
 from . import max_pool_backward
 from .consecutive_permutes import fold_consecutive_permutes
-from .conv1d import ON_CPU, lift_conv1d, unbake_trainable_weights
+from .conv1d import lift_conv1d, unbake_trainable_weights
 from .int64_constants import narrow_int64_scalar_tensors
 from .shape_only_operands import replace_shape_only_operands
 from .split_gradients import split_input_gradient
-
-# Node meta key: the name a convolution_backward had when this pass first saw it.
-# executorch's skip_node_id_set names nodes, and names do not last: passes after
-# this one retrace the graph and number nodes of one op in graph order, so a
-# grad_weight half inserted by the split takes the name of the next node
-# (measured: ``aten_convolution_backward_default_1`` then named another node's
-# half, which was kept on CPU instead). The split halves and the lifted nodes
-# keep their metadata, so this name follows the node the user meant.
-NAME_SEEN = "qnn_convbwd_name_seen"
 
 
 def skip_name(node: torch.fx.Node) -> str:
@@ -58,10 +50,8 @@ def skip_name(node: torch.fx.Node) -> str:
 
 
 def _remember_names(graph: torch.fx.Graph) -> None:
-    ops = integration.get("ops").edge.aten
-    targets = (ops.convolution_backward.default, ops.max_pool2d_with_indices_backward.default)
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in targets:
+        if nodes.is_conv_bwd(node) or nodes.is_max_pool_backward(node):
             node.meta.setdefault(NAME_SEEN, node.name)
 
 

@@ -19,11 +19,10 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration
+from ..meta import UNSCALE
 
 logger = logging.getLogger(__name__)
 
-# Node meta key: a multiplication by 1 / loss_scale at a gradient output (stays on CPU).
-UNSCALE = "qnn_convbwd_unscale"
 
 
 class LossScaleError(ValueError):

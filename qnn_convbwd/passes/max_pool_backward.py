@@ -41,13 +41,11 @@ from collections.abc import Callable
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from .. import integration
-from ..builders.op_max_pool_backward import INDEX_PLANE
+from .. import integration, nodes
 from ..geometry import pool as pg
+from ..meta import INDEX_PLANE, ON_CPU, SHAPE_OF
 from ..partition import max_pool
 from ..partition.target import Target
-from .conv1d import ON_CPU
-from .shape_only_operands import SHAPE_OF
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +218,7 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
 
 
 def _pool_backward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in graph.nodes if max_pool.is_max_pool_backward(n)]
+    return [n for n in graph.nodes if nodes.is_max_pool_backward(n)]
 
 
 def rewrite(

@@ -64,6 +64,10 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ),
     (f"{_QC}.partition.qnn_partitioner", "QnnOperatorSupport.is_node_supported", "patched: gates"),
     (f"{_QC}.partition.common_defs", "constant_operator", "constants follow their consumers"),
+    (f"{_QC}.partition.common_defs", "allow_list_operator", "verdict: passed before skip options"),
+    (f"{_QC}.partition.common_defs", "not_supported_operator", "verdict: reason for CPU"),
+    (f"{_QC}.partition.common_defs", "to_be_implemented_operator", "verdict: reason for CPU"),
+    (f"{_QC}.utils.constants", "QCOM_FALLBACK_NODE", "verdict: reason for CPU"),
     (
         f"{_QC}.partition.qnn_partitioner",
         "QnnPartitioner.partition",

@@ -19,7 +19,7 @@ import torch
 from ..geometry import pool as pg
 from ..nodes import is_max_pool_backward  # noqa: F401 (its callers' name for it)
 from .target import Target
-from .verdict import Rejection
+from .verdict import Rejection, rules
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +48,7 @@ class Decision:
 
 
 Rule = Callable[[torch.fx.Node, pg.MaxPoolBackward, Target], Rejection | None]
-RULES: list[tuple[str, Rule]] = []
-
-
-def rule(fn: Rule) -> Rule:
-    RULES.append((fn.__name__, fn))
-    return fn
+RULES, rule = rules(OP)
 
 
 @rule

@@ -1,4 +1,4 @@
-"""Every "can this convolution_backward go to QNN?" decision, in one place.
+"""The convolution_backward rules: what about the op keeps it off QNN.
 
 Each rule is a small function ``(node, conv, target) -> Rejection | None``. Rules
 run in order; the first rejection is the node's reason. ``decide`` logs it as
@@ -6,8 +6,9 @@ exactly one line::
 
     convolution_backward <node>: not delegated: <reason> (<values>)
 
-and the same text appears in ``qnn_convbwd.lower()``'s report. The visitor and
-the passes never re-decide support: they ask ``decide``.
+and the same text appears in ``qnn_convbwd.lower()``'s report. The node's whole
+verdict (skip options, executorch's own check) is ``judge.judge``'s, which runs
+these rules first; the visitor and the passes never re-decide support.
 
 Rules about what the builders can lower (which gradients, how many spatial
 dims, dilation) read ``CAPABILITIES``, so widening the lowering is one entry
@@ -27,7 +28,7 @@ from .. import integration, signature
 from ..geometry import conv as geo
 from ..meta import PINNED
 from .target import Target
-from .verdict import Rejection
+from .verdict import Rejection, rules
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +73,7 @@ class Decision:
 
 
 Rule = Callable[[torch.fx.Node, geo.ConvBackward, Target], Rejection | None]
-RULES: list[tuple[str, Rule]] = []
-
-
-def rule(fn: Rule) -> Rule:
-    RULES.append((fn.__name__, fn))
-    return fn
+RULES, rule = rules("convolution_backward")
 
 
 def _reject(reason: str, values: str) -> Rejection:

@@ -45,7 +45,7 @@ from .. import integration, nodes
 from ..geometry import pool as pg
 from ..meta import INDEX_PLANE, ON_CPU, SHAPE_OF
 from ..partition import max_pool
-from ..partition.target import Target
+from ..partition.judge import Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -223,20 +223,20 @@ def _pool_backward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 
 def rewrite(
     graph_module: torch.fx.GraphModule,
-    target: Target,
-    kept_on_cpu: Callable[[torch.fx.Node], bool],
+    verdict: Callable[[torch.fx.Node], Verdict],
 ) -> int:
     """Prepare delegated nodes for QNN, make CPU nodes right; return how many changed.
 
-    ``kept_on_cpu(node)``: executorch's skip options keep the node on CPU.
+    ``verdict(node)``: the partitioner's verdict (``partition.judge``), without
+    executorch's check.
     """
     changed = 0
     for node in _pool_backward_nodes(graph_module.graph):
-        decision = max_pool.decide(node, target)
-        if decision.supported and not kept_on_cpu(node):
+        found = verdict(node)
+        if found.supported:
             prepare_for_qnn(graph_module, node)
             changed += 1
-        elif decision.pool is not None and needs_cpu_rewrite(node):
+        elif found.rejection.rule != "parse" and needs_cpu_rewrite(node):
             logger.info(
                 "%s %s: runs on CPU as scatter_add (executorch's kernel would be wrong)",
                 max_pool.OP,

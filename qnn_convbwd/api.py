@@ -412,7 +412,7 @@ def _cpu_op(node: torch.fx.Node) -> CpuOp | None:
     """The top-level node of a lowered program as an op kept on CPU (None: a delegate call)."""
     if getattr(node.target, "__name__", "") == "executorch_call_delegate":
         return None
-    for name in origins(node):
+    for name in origins(node) if nodes.is_conv_bwd(node) else [node.name]:
         verdict = judge.VERDICTS.get(name)
         if verdict is not None and not verdict.supported:
             return CpuOp(node.name, verdict.op, verdict.rejection.rule, verdict.reason)

@@ -118,13 +118,9 @@ def skip_options(node, context):
     # A convolution_backward the transform pass lifted for the CPU (ON_CPU) whose
     # rules delegate it was kept there by the skip options the pass was given.
     lifted = _plugin_op(node) and bool(node.meta.get(ON_CPU))
-    if name in context.skip_ids or lifted:
-        return _reject(
-            node, "kept on CPU by executorch's skip options", f"skip_node_id_set: {name}"
-        )
     op = getattr(node.target, "__name__", "")
-    if op in context.skip_ops:
-        return _reject(node, "kept on CPU by executorch's skip options", f"skip_node_op_set: {op}")
+    if name in context.skip_ids or lifted or op in context.skip_ops:
+        return _reject(node, "kept on CPU by executorch's skip options", "")
     return None
 
 
@@ -299,7 +295,9 @@ _nested: contextvars.ContextVar[bool] = contextvars.ContextVar(
 def record(node: torch.fx.Node, verdict: Verdict) -> None:
     if nodes.is_call(node, operator.getitem):
         return  # its verdict is its producer's, and it is traced from the producer's name
-    for name in origins(node):
+    # Only an op the plugin rewrites is recorded under the names it was traced from:
+    # the nodes a pass adds for it (reshapes, casts) are traced from its name too.
+    for name in origins(node) if _plugin_op(node) else [node.name]:
         VERDICTS[name] = verdict
 
 

@@ -23,7 +23,8 @@ import torch
 from programs import ALL_MASKS, Config, ConvBackwardBank, assert_bank_matches, generate_3d_configs
 
 import qnn_convbwd
-from qnn_convbwd import integration, models
+from qnn_convbwd import integration
+from qnn_convbwd.tools import models
 
 CONFIGS = [
     *generate_3d_configs(12, seed=3),

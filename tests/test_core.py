@@ -24,8 +24,8 @@ from programs import (
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd import models
 from qnn_convbwd.geometry import conv as geo
+from qnn_convbwd.tools import models
 
 U_FP16 = 2.0**-11
 BOUND_FACTOR = 4.0

@@ -19,9 +19,10 @@ from executorch.exir import to_edge
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd import integration, meta, models, nodes
+from qnn_convbwd import integration, meta, nodes
 from qnn_convbwd.partition import judge, support, verdict
 from qnn_convbwd.partition.target import Target
+from qnn_convbwd.tools import models
 
 SOC = "SM8650"
 

@@ -1,6 +1,6 @@
 """``qnn-convbwd bench``: training graphs lowered with and without the plugin.
 
-Every reference graph (``qnn_convbwd.models``) is lowered three ways in one run:
+Every reference graph (``qnn_convbwd.tools.models``) is lowered three ways in one run:
 
 ``plugin``
     ``qnn_convbwd.lower`` (the plugin enabled).
@@ -216,7 +216,7 @@ def count_conv_bwd(program: torch.export.ExportedProgram) -> int:
 
 def lower_with_plugin(program: torch.export.ExportedProgram, specs: list, skip: set | None) -> Any:
     """EdgeProgramManager from ``qnn_convbwd.lower`` (``skip`` is the skip_node_op_set)."""
-    from . import api
+    from .. import api
 
     return api.lower(program, specs, skip_node_op_set=skip).edge
 
@@ -237,7 +237,7 @@ def lower_plain(program: torch.export.ExportedProgram, specs: list) -> Any:
     from executorch.backends.qualcomm.utils.utils import qnn_edge_config
     from executorch.exir import to_edge_transform_and_lower
 
-    from . import api
+    from .. import api
 
     if api.is_enabled():
         raise RuntimeError("lower_plain needs the plugin disabled (qnn_convbwd.disable())")
@@ -313,7 +313,7 @@ def static_bytes(
         return None, "n/a: qnn_convbwd.toolchain.saver not available"
     import inspect
 
-    from .toolchain import saver
+    from ..toolchain import saver
 
     kwargs: dict[str, Any] = {}
     if skip:
@@ -365,7 +365,7 @@ def child_failure(proc: subprocess.CompletedProcess) -> str:
 
 def _worker_run(pte: bytes, inputs: list[torch.Tensor], log_path: str) -> list[torch.Tensor]:
     """In the simulator worker: run with fd 2 sent to ``log_path`` (the runtime logs there)."""
-    from .toolchain import harness
+    from ..toolchain import harness
 
     sys.stderr.flush()
     saved = os.dup(2)
@@ -448,9 +448,9 @@ def measure_graph(
     simulator: Simulator | None = None,
 ) -> GraphResult:
     """Lower one graph in every mode; run each lowered program on ``simulator`` if given."""
-    from . import api
+    from .. import api
+    from ..toolchain import harness
     from .models import training_graph
-    from .toolchain import harness
 
     specs = harness.compile_specs(soc)
     graph = training_graph(
@@ -556,8 +556,8 @@ def measure_point(point: dict) -> dict:
     """
     import gc
 
+    from ..toolchain import ensure_sdk, harness
     from .models import training_graph
-    from .toolchain import ensure_sdk, harness
 
     ensure_sdk()
     specs = harness.compile_specs(point["soc"])
@@ -600,7 +600,14 @@ def measure_point(point: dict) -> dict:
 def run_point_subprocess(point: dict, timeout: float = 3600.0) -> dict:
     with tempfile.TemporaryDirectory(prefix="qnn_convbwd_bench_") as tmp:
         out = Path(tmp) / "point.json"
-        cmd = [sys.executable, "-m", "qnn_convbwd.bench", "point", json.dumps(point), str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "qnn_convbwd.tools.bench",
+            "point",
+            json.dumps(point),
+            str(out),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not out.exists():
             return {**point, "error": child_failure(proc)}
@@ -892,7 +899,7 @@ def draw_charts(report_path: Path, out: Path) -> list[Path]:
     matplotlib's FreeType extension crashes on import once the QNN system
     libraries are loaded globally into the process, so the bench never imports it.
     """
-    cmd = [sys.executable, "-m", "qnn_convbwd.bench", "chart", str(report_path), str(out)]
+    cmd = [sys.executable, "-m", "qnn_convbwd.tools.bench", "chart", str(report_path), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"drawing the charts failed: {child_failure(proc)}")
@@ -912,8 +919,8 @@ def _draw_from_report(report_path: Path, out: Path) -> list[Path]:
 
 
 def environment(soc: str) -> dict:
-    from . import integration
-    from .toolchain import SdkUnavailable, ensure_sdk
+    from .. import integration
+    from ..toolchain import SdkUnavailable, ensure_sdk
 
     try:
         sdk = ensure_sdk()
@@ -1069,8 +1076,8 @@ def run(args: argparse.Namespace) -> int:
 def _child_main(argv: list[str]) -> int:
     """Child processes of the bench (a crash there must not end the bench).
 
-    ``python -m qnn_convbwd.bench point POINT_JSON OUT_JSON``: one scaling point.
-    ``python -m qnn_convbwd.bench chart REPORT_JSON OUT_DIR``: draw the charts.
+    ``python -m qnn_convbwd.tools.bench point POINT_JSON OUT_JSON``: one scaling point.
+    ``python -m qnn_convbwd.tools.bench chart REPORT_JSON OUT_DIR``: draw the charts.
     """
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("executorch").setLevel(logging.WARNING)

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import operator
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -108,30 +109,100 @@ def _hooks() -> integration.Hooks:
 # --- public API -------------------------------------------------------------------
 
 
-def enable(**overrides: Any) -> None:
+@dataclasses.dataclass(frozen=True)
+class SideEffects:
+    """What ``enable()`` did to the process, and what ``disable()`` reverts.
+
+    Reverted by ``disable()``: executorch's patches (``patches`` of them) and the
+    environment variables in ``environment`` (name -> (before, after)), restored to
+    their previous values unless something else changed them since. Not reverted:
+    the QNN libraries loaded into the process (``sdk_root``'s, the HTP shim), the
+    SDK root and shim built in the cache directory (reused by the next process),
+    and executorch's loggers handed back to the application's logging.
+    """
+
+    sdk_root: str | None  # None: no usable SDK (partitioning works, compiling does not)
+    sdk_source: str | None  # "QNN_SDK_ROOT" (the user's) or "onnxruntime-qnn wheel"
+    htp_shim: str | None  # the compiled HTP shim loaded in place of libQnnHtp.so
+    environment: dict[str, tuple[str | None, str]]
+    patches: int
+
+    def summary(self) -> str:
+        env = ", ".join(f"{name}={after}" for name, (_, after) in self.environment.items())
+        sdk = f"{self.sdk_root} ({self.sdk_source})" if self.sdk_root else "none"
+        return (
+            f"qnn_convbwd enabled: {self.patches} executorch patches; QNN SDK {sdk}; "
+            f"HTP shim {self.htp_shim or 'not used'}; environment: {env or 'unchanged'}"
+        )
+
+
+_side_effects: SideEffects | None = None
+
+
+def enable(**overrides: Any) -> SideEffects:
     """Make executorch's Qualcomm flow lower convolution_backward (idempotent).
 
     Also makes a QNN SDK usable in this process when one can be found or
-    assembled (see ``qnn_convbwd.toolchain``). ``overrides`` set fields of
+    assembled (see ``qnn_convbwd.toolchain``): that may assemble an SDK root in
+    the cache directory, compile the HTP shim, load the QNN libraries and set
+    ``QNN_SDK_ROOT`` / ``LD_LIBRARY_PATH``. Returns what it did (``SideEffects``,
+    also ``side_effects()``), logged as one INFO line. ``overrides`` set fields of
     ``qnn_convbwd.options.Options``.
     """
+    global _side_effects
     from .toolchain import SdkUnavailable, ensure_sdk
+    from .toolchain.sdk import ENVIRONMENT
 
     with _state_lock:
+        before = {name: os.environ.get(name) for name in ENVIRONMENT}
         try:
-            ensure_sdk()
+            info = ensure_sdk()
         except SdkUnavailable as err:
             logger.warning("no usable QNN SDK (%s); partitioning works, compiling will not", err)
+            info = None
         options.update(**overrides)
+        was_installed = integration.installed()
         integration.install(_hooks())
         logs.quiet_libraries()  # after install: executorch's modules are imported now
+        if was_installed and _side_effects is not None:
+            return _side_effects
+        changed = {
+            name: (value, os.environ[name])
+            for name, value in before.items()
+            if os.environ.get(name) is not None and os.environ.get(name) != value
+        }
+        _side_effects = SideEffects(
+            sdk_root=str(info.root) if info else None,
+            sdk_source=info.source if info else None,
+            htp_shim=str(info.shim) if info and info.shim else None,
+            environment=changed,
+            patches=integration.patch_count(),
+        )
+        logger.info(_side_effects.summary())
+        return _side_effects
+
+
+def side_effects() -> SideEffects | None:
+    """What the current ``enable()`` did (None when not enabled)."""
+    return _side_effects if integration.installed() else None
 
 
 def disable() -> None:
-    """Restore executorch exactly as it was before enable()."""
+    """Restore executorch exactly as it was before enable(), and the environment
+    variables enable() set (``SideEffects``)."""
+    global _side_effects
     with _state_lock:
         integration.uninstall()
         options.current = options.Options()
+        if _side_effects is not None:
+            for name, (value, after) in _side_effects.environment.items():
+                if os.environ.get(name) != after:
+                    continue  # changed since by someone else: theirs now
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            _side_effects = None
 
 
 def is_enabled() -> bool:

@@ -236,6 +236,11 @@ def installed() -> bool:
     return _patches is not None
 
 
+def patch_count() -> int:
+    """How many patches ``install`` applied (0 when not installed)."""
+    return len(_patches._undo) if _patches is not None else 0
+
+
 def install(hooks: Hooks) -> None:
     """Register the visitor and apply the patches (no-op when already installed)."""
     global _patches

@@ -76,6 +76,43 @@ def test_enable_is_idempotent_and_disable_restores_executorch_exactly():
     )
 
 
+def test_enable_reports_its_side_effects_and_disable_reverts_the_environment(
+    monkeypatch, caplog
+):
+    """enable() says what it did in one INFO line and a record; disable() puts the
+    environment variables it set back (here: unset QNN_SDK_ROOT, a sentinel path)."""
+    import logging
+    import os
+
+    from qnn_convbwd.toolchain import sdk
+
+    assert not qnn_convbwd.is_enabled()
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/sentinel/lib")
+    caplog.set_level(logging.INFO, logger="qnn_convbwd.api")
+    effects = qnn_convbwd.enable()
+    try:
+        assert qnn_convbwd.side_effects() is effects
+        assert qnn_convbwd.enable() is effects  # idempotent: nothing new happened
+        (line,) = [r for r in caplog.records if r.name == "qnn_convbwd.api"]
+        assert line.levelno == logging.INFO and line.getMessage() == effects.summary()
+        assert effects.patches > 10
+        active = sdk.active_sdk()
+        if active is None or active.source == "QNN_SDK_ROOT":
+            assert effects.environment == {}  # a user's SDK: the environment is theirs
+        else:
+            assert effects.sdk_root == str(active.root)
+            assert effects.environment["QNN_SDK_ROOT"] == (None, str(active.root))
+            before, after = effects.environment["LD_LIBRARY_PATH"]
+            assert before == "/sentinel/lib" and after.endswith(":/sentinel/lib")
+            assert os.environ["QNN_SDK_ROOT"] == str(active.root)
+    finally:
+        qnn_convbwd.disable()
+    assert qnn_convbwd.side_effects() is None
+    assert "QNN_SDK_ROOT" not in os.environ
+    assert os.environ["LD_LIBRARY_PATH"] == "/sentinel/lib"
+
+
 def test_enabled_context_restores_prior_state():
     before = _executorch_state()
     with qnn_convbwd.enabled():

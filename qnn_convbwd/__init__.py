@@ -4,12 +4,14 @@ from .api import (
     LoweringResult,
     Report,
     ReportRow,
+    SideEffects,
     decide,
     disable,
     enable,
     enabled,
     is_enabled,
     lower,
+    side_effects,
 )
 from .passes.max_pool_backward import MaxPoolBackwardOnCpu
 
@@ -20,10 +22,12 @@ __all__ = [
     "MaxPoolBackwardOnCpu",
     "Report",
     "ReportRow",
+    "SideEffects",
     "decide",
     "disable",
     "enable",
     "enabled",
     "is_enabled",
     "lower",
+    "side_effects",
 ]

@@ -3,192 +3,52 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import logging
 import operator
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from . import delegate_io, integration, logs, options, signature
-from .builders import conv_geometry as geo
-from .partition import cpu_kernel, max_pool, support, trainable
+from . import delegate_io, integration, logs, nodes, options, signature
+from .geometry import conv as geo
+from .nodes import origins
+from .partition import cpu_kernel, judge
 from .partition.target import Target
 from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
 from .passes.batch_norm import StableBatchNorm
-from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
-from .passes.conv1d import ON_CPU
-from .passes.loss_scale import UNSCALE, ScaleLoss
-from .passes.shape_only_operands import SHAPE_OF
+from .passes.canonicalize import CanonicalizeConvolutionBackward
+from .passes.loss_scale import ScaleLoss
 
 logger = logging.getLogger(__name__)
 
 _state_lock = threading.Lock()
-# Latest support decision per node name, written while partitioning.
-_decisions: dict[str, support.Decision] = {}
-_TARGET_ATTR = "_qnn_convbwd_target"
-_SKIP_ATTR = "_qnn_convbwd_skip"
-# True while a node's users are checked on its behalf (their rejections are not logged twice).
-_nested_check: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "qnn_convbwd_nested_check", default=False
-)
-
-
-def _conv_bwd_edge_op():
-    return integration.get("ops").edge.aten.convolution_backward.default
-
-
-def _is_conv_bwd(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target == _conv_bwd_edge_op()
-
-
-def origins(node: torch.fx.Node) -> list[str]:
-    """The node's name and the names of the nodes it was traced from (``from_node``)."""
-    names = [node.name]
-    sources = list(node.meta.get("from_node") or [])
-    while sources:
-        source = sources.pop(0)
-        names.append(source.name)
-        sources.extend(getattr(source, "from_node", None) or [])
-    return names
-
-
-def _record(node: torch.fx.Node, decision: support.Decision) -> None:
-    for name in origins(node):
-        _decisions[name] = decision
+_CONTEXT_ATTR = "_qnn_convbwd_context"
 
 
 # --- hooks called from the patched executorch code ----------------------------
+# Wiring only: every verdict is partition.judge's.
 
 
 def _on_support_init(checker, edge_program, compiler_specs, skip_ids, skip_ops) -> None:
-    setattr(checker, _TARGET_ATTR, Target.from_compile_specs(compiler_specs, edge_program))
-    setattr(checker, _SKIP_ATTR, (set(skip_ids or ()), set(skip_ops or ())))
-
-
-def _skipped(checker, node: torch.fx.Node) -> bool:
-    """Whether executorch's skip options keep ``node`` on CPU.
-
-    Names are matched as the transform pass saw them (``skip_name``): later
-    passes renumber nodes. A node the transform pass lifted for the CPU
-    (``ON_CPU``) and whose rules delegate it was kept there by the skip options
-    the pass was given.
-    """
-    skip_ids, skip_ops = getattr(checker, _SKIP_ATTR, (set(), set()))
-    return (
-        skip_name(node) in skip_ids
-        or node.target.__name__ in skip_ops
-        or bool(node.meta.get(ON_CPU))
+    context = judge.Context(
+        Target.from_compile_specs(compiler_specs, edge_program),
+        frozenset(skip_ids or ()),
+        frozenset(skip_ops or ()),
     )
-
-
-def _warn_if_cpu_cannot_run(node: torch.fx.Node) -> None:
-    """One warning for a node that stays on CPU, where executorch's kernel refuses it."""
-    try:
-        why = cpu_kernel.refusal(geo.parse(node))
-    except geo.ConvArgumentError:
-        return
-    if why is not None:
-        logger.warning(cpu_kernel.warning(node.name, why))
-
-
-def _would_delegate(checker, target: Target, node: torch.fx.Node) -> bool:
-    """The partitioner's verdict on ``node``, asked on behalf of another node.
-
-    A convolution_backward is judged by the rules and the skip options without
-    building its ops again; any other node by the checker itself, quietly.
-    """
-    if _is_conv_bwd(node):
-        return support.decide(node, target, log=False).supported and not _skipped(checker, node)
-    token = _nested_check.set(True)  # the node logs its own verdict when visited
-    try:
-        return checker.is_node_supported(None, node)
-    finally:
-        _nested_check.reset(token)
-
-
-def _judge_conv_bwd(original, checker, target: Target, node: torch.fx.Node) -> bool:
-    decision = support.decide(node, target, log=not _nested_check.get())
-    if not decision.supported:
-        _record(node, decision)
-        return False
-    if _skipped(checker, node):
-        rejection = support.Rejection("skip", "kept on CPU by executorch's skip options", "")
-        _record(node, support.Decision(node.name, decision.conv, rejection))
-        return False
-    # The skip options are applied above, by the name the transform pass saw; executorch
-    # matches skip_node_id_set against the current name, which may be another node's.
-    if not original(skip_node_id_set=set()):
-        rejection = support.Rejection(
-            "backend_validation", "rejected by the QNN backend's op validation", target.soc
-        )
-        if not _nested_check.get():
-            logger.warning(rejection.message(node.name))
-        _record(node, support.Decision(node.name, decision.conv, rejection))
-        return False
-    _record(node, decision)
-    return True
+    setattr(checker, _CONTEXT_ATTR, context)
 
 
 def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
-    target: Target | None = getattr(checker, _TARGET_ATTR, None)
-    if target is not None and _is_conv_bwd(node):
-        supported = _judge_conv_bwd(original, checker, target, node)
-        if not supported and not _nested_check.get():
-            _warn_if_cpu_cannot_run(node)
-        return supported
-    if target is not None:
-        refused = trainable.refusal(node, target.edge_program)
-        if refused is not None:
-            if not _nested_check.get():
-                logger.warning(trainable.message(node, refused))
-            return False
-    if target is not None and max_pool.is_max_pool_backward(node):
-        # The transform pass took the same decision (and logged it) and prepared the node.
-        if not max_pool.decide(node, target, log=False).supported or _skipped(checker, node):
-            return False
-        if original(skip_node_id_set=set()):
-            return True
-        if not _nested_check.get():
-            logger.warning(
-                "%s %s: rejected by the QNN backend's op validation on %s after it was "
-                "prepared for QNN (int32 indices): executorch's CPU kernel cannot run it",
-                max_pool.OP,
-                node.name,
-                target.soc,
-            )
-        return False
-    if target is not None and node.meta.get(ON_CPU):
-        # A reshape the transform pass added around a 1-D node it lifted for
-        # executorch's CPU kernel: it runs with that node.
-        return False
-    if target is not None and node.meta.get(UNSCALE):
-        # The 1 / loss_scale of a gradient output: fp32 on CPU, where it is exact.
-        return False
-    if target is not None and (
-        node.meta.get(SHAPE_OF) or node.target in integration.get("constant_operator")
-    ):
-        # A constant (executorch's constant ops: full, scalar_tensor, arange, and the
-        # shape-only stand-ins the plugin inserts) is delegated only together with
-        # every consumer: alone it would be a constant delegate output, which QNN does
-        # not bind (the runtime then reads past its argument list). The consumers'
-        # verdict includes executorch's skip options, which the transform pass cannot see.
-        users_delegated = all(_would_delegate(checker, target, user) for user in node.users)
-        return users_delegated and original()
-    if (
-        target is not None
-        and node.op == "call_function"
-        and node.target == operator.getitem
-        and isinstance(node.args[0], torch.fx.Node)
-        and _is_conv_bwd(node.args[0])
-    ):
-        # A getitem is always "supported" upstream; one of a CPU node must stay on CPU
-        # (including one executorch's skip options keep there).
-        return _would_delegate(checker, target, node.args[0])
-    return original()
+    context: judge.Context | None = getattr(checker, _CONTEXT_ATTR, None)
+    if context is None or node.op != "call_function":
+        return original()
+    return judge.in_partitioner(
+        node, context, original, lambda other: checker.is_node_supported(None, other)
+    )
 
 
 def _after_partition(edge_program) -> None:
@@ -229,7 +89,7 @@ def _hooks() -> integration.Hooks:
         op_max_pool_backward.TARGET: op_max_pool_backward.MaxPoolBackwardVisitor,
     }
     hooks.layout_sensitive_ops = (
-        _conv_bwd_edge_op(),
+        integration.get("ops").edge.aten.convolution_backward.default,
         integration.get("ops").edge.aten.max_pool2d_with_indices_backward.default,
     )
     hooks.on_support_init = _on_support_init
@@ -249,30 +109,100 @@ def _hooks() -> integration.Hooks:
 # --- public API -------------------------------------------------------------------
 
 
-def enable(**overrides: Any) -> None:
+@dataclasses.dataclass(frozen=True)
+class SideEffects:
+    """What ``enable()`` did to the process, and what ``disable()`` reverts.
+
+    Reverted by ``disable()``: executorch's patches (``patches`` of them) and the
+    environment variables in ``environment`` (name -> (before, after)), restored to
+    their previous values unless something else changed them since. Not reverted:
+    the QNN libraries loaded into the process (``sdk_root``'s, the HTP shim), the
+    SDK root and shim built in the cache directory (reused by the next process),
+    and executorch's loggers handed back to the application's logging.
+    """
+
+    sdk_root: str | None  # None: no usable SDK (partitioning works, compiling does not)
+    sdk_source: str | None  # "QNN_SDK_ROOT" (the user's) or "onnxruntime-qnn wheel"
+    htp_shim: str | None  # the compiled HTP shim loaded in place of libQnnHtp.so
+    environment: dict[str, tuple[str | None, str]]
+    patches: int
+
+    def summary(self) -> str:
+        env = ", ".join(f"{name}={after}" for name, (_, after) in self.environment.items())
+        sdk = f"{self.sdk_root} ({self.sdk_source})" if self.sdk_root else "none"
+        return (
+            f"qnn_convbwd enabled: {self.patches} executorch patches; QNN SDK {sdk}; "
+            f"HTP shim {self.htp_shim or 'not used'}; environment: {env or 'unchanged'}"
+        )
+
+
+_side_effects: SideEffects | None = None
+
+
+def enable(**overrides: Any) -> SideEffects:
     """Make executorch's Qualcomm flow lower convolution_backward (idempotent).
 
     Also makes a QNN SDK usable in this process when one can be found or
-    assembled (see ``qnn_convbwd.toolchain``). ``overrides`` set fields of
+    assembled (see ``qnn_convbwd.toolchain``): that may assemble an SDK root in
+    the cache directory, compile the HTP shim, load the QNN libraries and set
+    ``QNN_SDK_ROOT`` / ``LD_LIBRARY_PATH``. Returns what it did (``SideEffects``,
+    also ``side_effects()``), logged as one INFO line. ``overrides`` set fields of
     ``qnn_convbwd.options.Options``.
     """
+    global _side_effects
     from .toolchain import SdkUnavailable, ensure_sdk
+    from .toolchain.sdk import ENVIRONMENT
 
     with _state_lock:
+        before = {name: os.environ.get(name) for name in ENVIRONMENT}
         try:
-            ensure_sdk()
+            info = ensure_sdk()
         except SdkUnavailable as err:
             logger.warning("no usable QNN SDK (%s); partitioning works, compiling will not", err)
+            info = None
         options.update(**overrides)
+        was_installed = integration.installed()
         integration.install(_hooks())
         logs.quiet_libraries()  # after install: executorch's modules are imported now
+        if was_installed and _side_effects is not None:
+            return _side_effects
+        changed = {
+            name: (value, os.environ[name])
+            for name, value in before.items()
+            if os.environ.get(name) is not None and os.environ.get(name) != value
+        }
+        _side_effects = SideEffects(
+            sdk_root=str(info.root) if info else None,
+            sdk_source=info.source if info else None,
+            htp_shim=str(info.shim) if info and info.shim else None,
+            environment=changed,
+            patches=integration.patch_count(),
+        )
+        logger.info(_side_effects.summary())
+        return _side_effects
+
+
+def side_effects() -> SideEffects | None:
+    """What the current ``enable()`` did (None when not enabled)."""
+    return _side_effects if integration.installed() else None
 
 
 def disable() -> None:
-    """Restore executorch exactly as it was before enable()."""
+    """Restore executorch exactly as it was before enable(), and the environment
+    variables enable() set (``SideEffects``)."""
+    global _side_effects
     with _state_lock:
         integration.uninstall()
         options.current = options.Options()
+        if _side_effects is not None:
+            for name, (value, after) in _side_effects.environment.items():
+                if os.environ.get(name) != after:
+                    continue  # changed since by someone else: theirs now
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            _side_effects = None
 
 
 def is_enabled() -> bool:
@@ -325,13 +255,30 @@ class ReportRow:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class CpuOp:
+    """An op kept on CPU, with the rule that kept it there and its reason."""
+
+    node: str
+    op: str  # e.g. "convolution_backward", "aten.mean.dim"
+    rule: str  # a rule of partition.verdict.REGISTRY, or "not_partitioned"
+    reason: str
+
+
 @dataclasses.dataclass
 class Report:
-    rows: list[ReportRow]
+    rows: list[ReportRow]  # one per convolution_backward
+    # Every op of the program kept on CPU (getitems aside), with its reason.
+    on_cpu: list[CpuOp] = dataclasses.field(default_factory=list)
 
     @property
     def delegated(self) -> int:
         return sum(r.delegated for r in self.rows)
+
+    def on_cpu_markdown(self) -> str:
+        head = "| node | op | rule | reason |\n|---|---|---|---|"
+        lines = [f"| {c.node} | {c.op} | {c.rule} | {c.reason} |" for c in self.on_cpu]
+        return "\n".join([head, *lines])
 
     def to_markdown(self) -> str:
         head = (
@@ -354,12 +301,7 @@ class LoweringResult:
 
 
 def _conv_bwd_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    aten_op = torch.ops.aten.convolution_backward.default
-    return [
-        n
-        for n in graph.nodes
-        if n.op == "call_function" and (n.target == aten_op or _is_conv_bwd(n))
-    ]
+    return [n for n in graph.nodes if nodes.is_conv_bwd(n)]
 
 
 def _cpu_refusals(graph: torch.fx.Graph) -> dict[str, str]:
@@ -382,14 +324,11 @@ def _row(
     skipped: set | None,
     cpu_refusal: str | None = None,
 ) -> ReportRow:
-    decision = _decisions.get(name)
+    verdict = judge.VERDICTS.get(name)
     if delegated:
         reason = "delegated"
-    elif decision is not None and decision.rejection is not None:
-        rejection = decision.rejection
-        reason = (
-            f"{rejection.reason} ({rejection.values})" if rejection.values else rejection.reason
-        )
+    elif verdict is not None and not verdict.supported:
+        reason = verdict.reason
     elif skipped and name in skipped:
         reason = "skipped by skip_node_id_set"
     else:
@@ -427,12 +366,17 @@ def _qualcomm_passes(program, compiler_specs, skip_node_id_set=None, skip_node_o
 
 
 def transformed(
-    program: torch.export.ExportedProgram, compiler_specs: list
+    program: torch.export.ExportedProgram,
+    compiler_specs: list,
+    skip_node_id_set: set | None = None,
+    skip_node_op_set: set | None = None,
 ) -> torch.export.ExportedProgram:
     """The edge program the partitioner sees: ``lower``'s export and to_edge transform
     passes (the plugin's included), without partitioning or compiling."""
     with enabled():
-        aten_program, passes = _qualcomm_passes(program, compiler_specs)
+        aten_program, passes = _qualcomm_passes(
+            program, compiler_specs, skip_node_id_set, skip_node_op_set
+        )
         edge = integration.get("to_edge_transform_and_lower")(
             aten_program,
             transform_passes=passes,
@@ -441,29 +385,47 @@ def transformed(
         return edge.exported_program()
 
 
-def decide(program: torch.export.ExportedProgram, compiler_specs: list) -> Report:
-    """The support decision for every convolution_backward node, without compiling.
+def _reported(node: torch.fx.Node) -> bool:
+    """An op the report lists when it stays on CPU (getitems follow their producer)."""
+    return node.op == "call_function" and not nodes.is_call(node, operator.getitem)
 
-    Runs the same export and to_edge transform passes as ``lower`` and asks the
-    rules (not the QNN backend's op validation, which needs a working backend).
-    "delegated" in the rows means "the rules delegate it".
+
+def decide(
+    program: torch.export.ExportedProgram,
+    compiler_specs: list,
+    skip_node_id_set: set | None = None,
+    skip_node_op_set: set | None = None,
+) -> Report:
+    """The verdict on every node, without compiling: one row per convolution_backward,
+    and every op kept on CPU with its reason (``Report.on_cpu``).
+
+    Runs the same export and to_edge transform passes as ``lower`` and asks
+    ``partition.judge`` (not the QNN backend's op validation, which needs a
+    working backend). "delegated" in the rows means "the rules delegate it".
     """
     with enabled():
-        target = Target.from_compile_specs(compiler_specs)
         before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
-        _decisions.clear()
-        edge_program = transformed(program, compiler_specs)
-        target = target.with_program(edge_program)
-        supported: set[str] = set()
-        for node in _conv_bwd_nodes(edge_program.graph):
-            decision = support.decide(node, target)
-            _record(node, decision)
-            if decision.supported:
-                supported.update(origins(node))
-        refusals = _cpu_refusals(edge_program.graph)
-        return Report(
-            [_row(n, c, n in supported, None, refusals.get(n)) for n, c in before.items()]
+        judge.VERDICTS.clear()
+        edge_program = transformed(program, compiler_specs, skip_node_id_set, skip_node_op_set)
+        context = judge.Context(
+            Target.from_compile_specs(compiler_specs, edge_program),
+            frozenset(skip_node_id_set or ()),
+            frozenset(skip_node_op_set or ()),
         )
+        supported: set[str] = set()
+        on_cpu = []
+        for node in edge_program.graph.nodes:
+            if node.op != "call_function":
+                continue
+            verdict = judge.judge(node, context, log=not nodes.is_max_pool_backward(node))
+            judge.record(node, verdict)
+            if verdict.supported:
+                supported.update(origins(node) if nodes.is_conv_bwd(node) else ())
+            elif _reported(node):
+                on_cpu.append(CpuOp(node.name, verdict.op, verdict.rejection.rule, verdict.reason))
+        refusals = _cpu_refusals(edge_program.graph)
+        rows = [_row(n, c, n in supported, None, refusals.get(n)) for n, c in before.items()]
+        return Report(rows, on_cpu)
 
 
 def lower(
@@ -481,7 +443,7 @@ def lower(
     with enabled():
         target = Target.from_compile_specs(compiler_specs)
         before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
-        _decisions.clear()
+        judge.VERDICTS.clear()
 
         aten_program, passes = _qualcomm_passes(
             program, compiler_specs, skip_node_id_set, skip_node_op_set
@@ -506,10 +468,28 @@ def lower(
             _row(name, conv, name not in remaining, skip_node_id_set, refusals.get(name))
             for name, conv in before.items()
         ]
+        on_cpu = [_cpu_op(node) for node in graph.nodes if _reported(node)]
+        on_cpu = [op for op in on_cpu if op is not None]
         logger.info(
             "convolution_backward on %s: %d of %d delegated",
             target.soc,
             sum(r.delegated for r in rows),
             len(rows),
         )
-        return LoweringResult(edge, Report(rows))
+        return LoweringResult(edge, Report(rows, on_cpu))
+
+
+def _cpu_op(node: torch.fx.Node) -> CpuOp | None:
+    """The top-level node of a lowered program as an op kept on CPU (None: a delegate call)."""
+    if getattr(node.target, "__name__", "") == "executorch_call_delegate":
+        return None
+    for name in origins(node) if nodes.is_conv_bwd(node) else [node.name]:
+        verdict = judge.VERDICTS.get(name)
+        if verdict is not None and not verdict.supported:
+            return CpuOp(node.name, verdict.op, verdict.rejection.rule, verdict.reason)
+    return CpuOp(
+        node.name,
+        judge.op_name(node),
+        "not_partitioned",
+        "not partitioned (kept on CPU by the partitioner)",
+    )

@@ -21,15 +21,18 @@ COMMANDS = {
         "qnn_convbwd.toolchain.doctor",
         "report the QNN SDK, the shim and which backends work",
     ),
-    "demo": ("qnn_convbwd.demo", "train a small CNN on the HTP simulator next to torch"),
-    "train": ("qnn_convbwd.train_cli", "train a model with TrainingModule + SGD next to torch"),
-    "bench": ("qnn_convbwd.bench", "benchmark training graphs with and without the plugin"),
+    "demo": ("qnn_convbwd.tools.demo", "train a small CNN on the HTP simulator next to torch"),
+    "train": (
+        "qnn_convbwd.tools.train_cli",
+        "train a model with TrainingModule + SGD next to torch",
+    ),
+    "bench": ("qnn_convbwd.tools.bench", "benchmark training graphs with and without the plugin"),
     "fidelity": (
-        "qnn_convbwd.fidelity_cli",
+        "qnn_convbwd.tools.fidelity_cli",
         "run a training graph on the simulator and judge it against torch's fp16 step",
     ),
     "cost": (
-        "qnn_convbwd.cost",
+        "qnn_convbwd.tools.cost",
         "multiply-adds, bytes and planned memory of a lowered training program",
     ),
 }

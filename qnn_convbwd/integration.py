@@ -64,6 +64,10 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ),
     (f"{_QC}.partition.qnn_partitioner", "QnnOperatorSupport.is_node_supported", "patched: gates"),
     (f"{_QC}.partition.common_defs", "constant_operator", "constants follow their consumers"),
+    (f"{_QC}.partition.common_defs", "allow_list_operator", "verdict: passed before skip options"),
+    (f"{_QC}.partition.common_defs", "not_supported_operator", "verdict: reason for CPU"),
+    (f"{_QC}.partition.common_defs", "to_be_implemented_operator", "verdict: reason for CPU"),
+    (f"{_QC}.utils.constants", "QCOM_FALLBACK_NODE", "verdict: reason for CPU"),
     (
         f"{_QC}.partition.qnn_partitioner",
         "QnnPartitioner.partition",
@@ -230,6 +234,11 @@ _patches: _Patches | None = None
 
 def installed() -> bool:
     return _patches is not None
+
+
+def patch_count() -> int:
+    """How many patches ``install`` applied (0 when not installed)."""
+    return len(_patches._undo) if _patches is not None else 0
 
 
 def install(hooks: Hooks) -> None:

@@ -35,12 +35,28 @@ def is_conv_bwd(node: object) -> bool:
     )
 
 
+def is_max_pool_backward(node: object) -> bool:
+    """An edge-dialect ``max_pool2d_with_indices_backward``."""
+    return is_call(node, _edge_aten().max_pool2d_with_indices_backward.default)
+
+
 def is_getitem_of(node: object, predicate) -> bool:
     return (
         is_call(node, operator.getitem)
         and isinstance(node.args[0], torch.fx.Node)
         and predicate(node.args[0])
     )
+
+
+def origins(node: torch.fx.Node) -> list[str]:
+    """The node's name and the names of the nodes it was traced from (``from_node``)."""
+    names = [node.name]
+    sources = list(node.meta.get("from_node") or [])
+    while sources:
+        source = sources.pop(0)
+        names.append(source.name)
+        sources.extend(getattr(source, "from_node", None) or [])
+    return names
 
 
 def filter_operand_uses(node: torch.fx.Node) -> bool:

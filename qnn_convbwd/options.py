@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 # How TransposeConv's padding and output padding are expressed
-# (builders.conv_geometry.plan_input_gradient):
+# (geometry.conv.plan_input_gradient):
 #   "auto"      TransposeConv2d: the parameter where the HTP computes it right, else
 #               "fold"; TransposeConv3d: "crop";
 #   "parameter" always the parameters (reproduces the HTP defects; for tests);
@@ -15,7 +15,7 @@ import dataclasses
 OUTPUT_PADDING_MODES = ("auto", "parameter", "fold", "crop")
 
 # How a stride > 1 of the forward convolution is expressed in grad_input
-# (2-D and 1-D; 3-D keeps TransposeConv3d's stride, see conv_geometry):
+# (2-D and 1-D; 3-D keeps TransposeConv3d's stride, see geometry.conv):
 #   "zero_insert" grad_output upsampled with zeros, then a stride-1 TransposeConv2d,
 #                 the output padding folded into its end crop;
 #   "parameter"   TransposeConv2d's stride parameter (``output_padding`` applies).

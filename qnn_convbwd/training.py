@@ -23,6 +23,19 @@ from collections.abc import Sequence
 import torch
 
 
+class WithLoss(torch.nn.Module):
+    """``net`` followed by ``loss(net(x), target)``: the module a joint graph is exported
+    from (``export_joint``)."""
+
+    def __init__(self, net: torch.nn.Module, loss) -> None:
+        super().__init__()
+        self.net = net
+        self.loss = loss
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss(self.net(x), target)
+
+
 def export_joint(module: torch.nn.Module, inputs: tuple) -> torch.export.ExportedProgram:
     """``torch.export`` + ``_export_forward_backward``: the joint training graph.
 

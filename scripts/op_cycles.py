@@ -15,8 +15,9 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from qnn_convbwd import api, models
+from qnn_convbwd import api
 from qnn_convbwd.toolchain import ensure_sdk
+from qnn_convbwd.tools import models
 
 
 def main() -> None:

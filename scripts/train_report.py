@@ -17,8 +17,9 @@ import json
 import statistics
 import time
 
-from qnn_convbwd import MaxPoolBackwardOnCpu, models, train_cli, training
+from qnn_convbwd import MaxPoolBackwardOnCpu, training
 from qnn_convbwd.toolchain import harness
+from qnn_convbwd.tools import models, train_cli
 
 
 def cpu_only_step_seconds(case: models.TrainingCase, steps: int, lr: float) -> float:

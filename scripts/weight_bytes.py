@@ -16,8 +16,9 @@ import argparse
 import logging
 import sys
 
-from qnn_convbwd import options, weight_bytes
+from qnn_convbwd import options
 from qnn_convbwd.builders.input_gradient import FORMULATIONS
+from qnn_convbwd.tools import weight_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 For each architecture (``tests/zoo.bias_only``: random weights, batch-norm
 statistics from random batches, every bias trained, MSE, 32x32): lower the joint
 graph for a SoC with ``qnn_convbwd.lower``, run it on the x86-64 HTP simulator,
-judge every output with ``qnn_convbwd.fidelity`` against torch fp32 and fp16.
+judge every output with ``qnn_convbwd.tools.fidelity`` against torch fp32 and fp16.
 Prints one markdown row per architecture (and, with ``--tensors``, the full
 per-tensor report).
 
@@ -23,7 +23,7 @@ import zoo  # noqa: E402
 
 from qnn_convbwd import fidelity  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.train_cli import cpu_ops  # noqa: E402
+from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
 
 
 def measure(arch: str, soc: str, size: int) -> tuple[str, fidelity.Report]:

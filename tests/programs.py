@@ -232,7 +232,7 @@ def fp16_error_bound(config: Config, weight: torch.Tensor, grad_output: torch.Te
 
 def conv_backward_of(config: Config):
     """The parsed form of the config's convolution_backward node, without exporting."""
-    from qnn_convbwd.builders import conv_geometry as geo
+    from qnn_convbwd.geometry import conv as geo
 
     return geo.ConvBackward(
         grad_output_shape=(config.batch, config.cout, *config.output_size),

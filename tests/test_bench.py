@@ -1,4 +1,5 @@
-"""qnn_convbwd.bench: counts on lowered programs, the three lowerings, crash isolation, report."""
+"""qnn_convbwd.tools.bench: counts on lowered programs, the three lowerings, crash isolation,
+report."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from qnn_convbwd import bench
+from qnn_convbwd.tools import bench
 
 # --- helpers for the simulator worker (module level: the spawned worker imports them) ------
 
@@ -162,7 +163,7 @@ def test_simulator_turns_a_worker_crash_into_an_error_and_recovers():
 
 @pytest.fixture(scope="module")
 def small_graph():
-    from qnn_convbwd.models import training_graph
+    from qnn_convbwd.tools.models import training_graph
 
     return training_graph("resnet", size=8, depth=1)
 

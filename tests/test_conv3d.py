@@ -2,7 +2,7 @@
 
 grad_input is a TransposeConv3d, grad_weight a Conv3d with batch and channels
 exchanged, grad_bias a ReduceSum, all on NDHWC activations. Four defects of the
-QNN 3-D ops (QAIRT 2.51 simulator) shape the lowering (``builders/conv_geometry.py``):
+QNN 3-D ops (QAIRT 2.51 simulator) shape the lowering (``geometry/conv.py``):
 TransposeConv3d ignores ``group`` (the filter is made block-diagonal and the op
 runs ungrouped), crops D by H's ``pad_amount`` (the "crop" plan: the op runs
 unpadded and a StridedSlice cuts grad_input out), is wrong when its H and W
@@ -23,7 +23,8 @@ import torch
 from programs import ALL_MASKS, Config, ConvBackwardBank, assert_bank_matches, generate_3d_configs
 
 import qnn_convbwd
-from qnn_convbwd import integration, models
+from qnn_convbwd import integration
+from qnn_convbwd.tools import models
 
 CONFIGS = [
     *generate_3d_configs(12, seed=3),

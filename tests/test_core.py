@@ -24,8 +24,8 @@ from programs import (
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd import models
-from qnn_convbwd.builders import conv_geometry as geo
+from qnn_convbwd.geometry import conv as geo
+from qnn_convbwd.tools import models
 
 U_FP16 = 2.0**-11
 BOUND_FACTOR = 4.0
@@ -74,6 +74,43 @@ def test_enable_is_idempotent_and_disable_restores_executorch_exactly():
         for k in before
         if callable(before[k]) or hasattr(before[k], "__func__")
     )
+
+
+def test_enable_reports_its_side_effects_and_disable_reverts_the_environment(
+    monkeypatch, caplog
+):
+    """enable() says what it did in one INFO line and a record; disable() puts the
+    environment variables it set back (here: unset QNN_SDK_ROOT, a sentinel path)."""
+    import logging
+    import os
+
+    from qnn_convbwd.toolchain import sdk
+
+    assert not qnn_convbwd.is_enabled()
+    monkeypatch.delenv("QNN_SDK_ROOT", raising=False)
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/sentinel/lib")
+    caplog.set_level(logging.INFO, logger="qnn_convbwd.api")
+    effects = qnn_convbwd.enable()
+    try:
+        assert qnn_convbwd.side_effects() is effects
+        assert qnn_convbwd.enable() is effects  # idempotent: nothing new happened
+        (line,) = [r for r in caplog.records if r.name == "qnn_convbwd.api"]
+        assert line.levelno == logging.INFO and line.getMessage() == effects.summary()
+        assert effects.patches > 10
+        active = sdk.active_sdk()
+        if active is None or active.source == "QNN_SDK_ROOT":
+            assert effects.environment == {}  # a user's SDK: the environment is theirs
+        else:
+            assert effects.sdk_root == str(active.root)
+            assert effects.environment["QNN_SDK_ROOT"] == (None, str(active.root))
+            before, after = effects.environment["LD_LIBRARY_PATH"]
+            assert before == "/sentinel/lib" and after.endswith(":/sentinel/lib")
+            assert os.environ["QNN_SDK_ROOT"] == str(active.root)
+    finally:
+        qnn_convbwd.disable()
+    assert qnn_convbwd.side_effects() is None
+    assert "QNN_SDK_ROOT" not in os.environ
+    assert os.environ["LD_LIBRARY_PATH"] == "/sentinel/lib"
 
 
 def test_enabled_context_restores_prior_state():
@@ -461,7 +498,7 @@ def test_workaround_computes_the_defective_cases_right(qnn_sdk, config, stride):
     strict=True,
     reason="HTP defect (QAIRT 2.51 simulator): TransposeConv2d output_padding is wrong for "
     "depthwise convs and beyond the full extent. XPASS means QAIRT fixed it: revisit "
-    "conv_geometry.parameter_is_reliable.",
+    "geometry.conv.parameter_is_reliable.",
 )
 @pytest.mark.parametrize("config", [DEPTHWISE_OP_WITHIN_PAD, BEYOND_FULL_EXTENT], ids=str)
 def test_output_padding_parameter_is_still_defective(qnn_sdk, config):

@@ -19,7 +19,7 @@ import torch
 from programs import Config, ConvBackwardBank, assert_bank_matches
 
 import qnn_convbwd
-from qnn_convbwd import models
+from qnn_convbwd.tools import models
 
 BOUND_FACTOR = 4.0
 

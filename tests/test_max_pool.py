@@ -18,11 +18,12 @@ import pytest
 import torch
 from torch import nn
 
-from qnn_convbwd import integration, models
+from qnn_convbwd import integration
 from qnn_convbwd.builders import op_max_pool_backward as mpb
-from qnn_convbwd.builders import pool_geometry as pg
+from qnn_convbwd.geometry import pool as pg
 from qnn_convbwd.partition import max_pool
 from qnn_convbwd.passes import max_pool_backward
+from qnn_convbwd.tools import models
 
 U = 2.0**-11
 BACKWARD = "max_pool2d_with_indices_backward"

@@ -18,7 +18,7 @@ import torch
 import zoo
 from torch import nn
 
-from qnn_convbwd import models
+from qnn_convbwd.tools import models
 
 BACKWARD = "max_pool2d_with_indices_backward"
 SIZE = 32

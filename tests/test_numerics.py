@@ -1,7 +1,7 @@
 """Numerics (issue 13): the fidelity verdict, eval-mode batch norm, static loss scaling.
 
 HTP tests judge the simulator against torch's own fp16 step or forward (the
-floor), per tensor, with ``qnn_convbwd.fidelity``; docs/numerics.md has the
+floor), per tensor, with ``qnn_convbwd.tools.fidelity``; docs/numerics.md has the
 measured tables.
 """
 
@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd import fidelity, models
-from qnn_convbwd import numerics_models as nm
+from qnn_convbwd.tools import fidelity, models
+from qnn_convbwd.tools import numerics_models as nm
 
 # --- fidelity: metrics and verdict (no SDK) -----------------------------------------
 
@@ -223,7 +223,7 @@ def test_mobilenet_like_batch_norm_training_step_is_within_fidelity(qnn_sdk, tra
 
 @pytest.mark.htp
 def test_loss_scale_recovers_gradients_that_underflow_in_fp16(qnn_sdk):
-    from qnn_convbwd.passes.loss_scale import UNSCALE
+    from qnn_convbwd.meta import UNSCALE
     from qnn_convbwd.toolchain import harness
 
     graph = nm.small_loss_graph(1e-5)

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qnn_convbwd.builders import conv_geometry as geo
 from qnn_convbwd.builders import qnn_ops
+from qnn_convbwd.geometry import conv as geo
 from qnn_convbwd.partition import support
 from qnn_convbwd.partition.target import Target
 

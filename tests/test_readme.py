@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from qnn_convbwd import integration
 
@@ -44,3 +49,38 @@ def test_readme_links_to_every_docs_page():
     text = README.read_text()
     pages = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md"))
     assert pages and all(f"]({page})" in text for page in pages), pages
+
+
+README_MAX_LINES = 150
+
+
+def test_readme_is_a_front_door():
+    """Short, with the detail in docs/ (every page linked, checked above)."""
+    assert len(README.read_text().splitlines()) <= README_MAX_LINES
+
+
+def _training_example() -> str:
+    text = README.read_text()
+    section = text[text.index("## Fine-tune with ExecuTorch's TrainingModule") :]
+    (code,) = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], flags=re.S)
+    return code
+
+
+def test_the_training_example_is_short_and_uses_the_public_api():
+    code = _training_example()
+    assert len(code.splitlines()) <= 20, code
+    assert "qnn_convbwd.lower(" in code and "TrainingSession(" in code
+
+
+@pytest.mark.htp
+def test_the_readme_training_example_runs_as_a_script(qnn_sdk, tmp_path):
+    """The README's TrainingModule example, as a user would paste it: five finite losses."""
+    script = tmp_path / "example.py"
+    script.write_text(_training_example())
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=1200
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    steps = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
+    assert [int(s[0]) for s in steps] == list(range(5)), proc.stdout
+    assert all(math.isfinite(float(s[1])) for s in steps), proc.stdout

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "qnn_convbwd"
 
 
@@ -80,3 +82,83 @@ def test_the_cycle_check_sees_a_cycle(tmp_path, monkeypatch):
         assert "qnn_convbwd.a -> qnn_convbwd.b -> qnn_convbwd.a" in str(err)
     else:
         raise AssertionError("a two-module cycle was not reported")
+
+
+def _importers_of(prefix: str, among: tuple[str, ...]) -> dict[str, set[str]]:
+    """Modules under ``among`` (package-relative prefixes) that import ``prefix``."""
+    modules = _modules()
+    found = {}
+    for name, path in modules.items():
+        if not name.startswith(tuple(f"qnn_convbwd.{p}" for p in among)):
+            continue
+        bad = {m for m in _imports(name, path, modules) if m.startswith(f"qnn_convbwd.{prefix}")}
+        if bad:
+            found[name] = bad
+    return found
+
+
+def test_rules_passes_and_geometry_do_not_import_the_builders():
+    """The support rules and the passes decide and rewrite; the builders only build
+    QNN ops: what both need (geometry, metadata keys, node kinds) sits below both."""
+    assert _importers_of("builders", ("partition", "passes", "geometry", "meta", "nodes")) == {}
+
+
+def test_the_builders_check_sees_an_upward_import():
+    """Not vacuous: the builders' own modules import each other, and api imports them."""
+    assert "qnn_convbwd.api" in _importers_of("builders", ("api",))
+
+
+def test_the_runtime_never_imports_the_tools():
+    """What a user's lowering imports (everything but ``tools/`` and the CLI that runs
+    them) never imports ``qnn_convbwd.tools``, at module level or inside functions."""
+    runtime = tuple(
+        p.removeprefix("qnn_convbwd.")
+        for p in _modules()
+        if not p.startswith("qnn_convbwd.tools") and p not in ("qnn_convbwd", "qnn_convbwd.cli")
+    )
+    assert len(runtime) > 20
+    assert _importers_of("tools", runtime) == {}
+    # Not vacuous: the tools import each other (cost reads models).
+    among_tools = _importers_of("tools", ("tools",))
+    assert "qnn_convbwd.tools.models" in among_tools["qnn_convbwd.tools.cost"]
+
+
+LOWERING = """
+import sys
+import torch
+import qnn_convbwd
+from qnn_convbwd.toolchain import harness
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+
+    def forward(self, x, target):
+        return torch.nn.functional.mse_loss(self.conv(x), target)
+
+from torch.export.experimental import _export_forward_backward
+args = (torch.randn(1, 3, 8, 8), torch.randn(1, 4, 6, 6))
+joint = _export_forward_backward(torch.export.export(Net(), args, strict=True))
+qnn_convbwd.enable()
+specs = harness.compile_specs("SM8650")
+report = qnn_convbwd.{call}(joint, specs)
+assert {check}, report
+print(sorted(m for m in sys.modules if m.startswith("qnn_convbwd.tools")))
+"""
+
+
+def _imported_tools(call: str, check: str) -> str:
+    import subprocess
+    import sys
+
+    code = LOWERING.format(call=call, check=check)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.htp
+def test_lowering_imports_no_tools(qnn_sdk):
+    """``import qnn_convbwd; enable(); lower(...)`` in a fresh process loads no tool."""
+    assert _imported_tools("lower", "report.report.delegated == 1") == "[]"

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import qnn_convbwd
-from qnn_convbwd import integration, models, training
+from qnn_convbwd import integration, training
 from qnn_convbwd.toolchain import harness, saver
+from qnn_convbwd.tools import models
 
 pytestmark = pytest.mark.htp
 

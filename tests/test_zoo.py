@@ -1,5 +1,5 @@
 """torchvision classifiers, bias-only fine-tuning at 32x32 on SM8650: every tensor of
-the training step within fidelity (``qnn_convbwd.fidelity``: relative L2 at most
+the training step within fidelity (``qnn_convbwd.tools.fidelity``: relative L2 at most
 twice torch's own fp16 step's, plus 1e-3), every convolution backward delegated.
 
 The graphs are ``zoo.bias_only`` (random weights, batch-norm statistics from random
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import zoo
 
-from qnn_convbwd import fidelity
 from qnn_convbwd.toolchain import harness
+from qnn_convbwd.tools import fidelity
 
 SOC = "SM8650"
 

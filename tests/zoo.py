@@ -96,7 +96,7 @@ def bias_only(arch: str, size: int = 32, classes: int = 10, seed: int = 0):
     """
     from torch.export.experimental import _export_forward_backward
 
-    from qnn_convbwd import models
+    from qnn_convbwd.tools import models
 
     torchvision = import_torchvision()
     torch.manual_seed(seed)
@@ -125,7 +125,7 @@ def joint_outputs(graph, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     outputs (ExecuTorch's training runtime reads them from there); checked to be
     the parameters' values, then dropped.
     """
-    from qnn_convbwd import fidelity
+    from qnn_convbwd.tools import fidelity
 
     names = fidelity.output_names(graph.program)
     trained = [n for n in names if n != "loss"]

@@ -46,7 +46,8 @@ from collections.abc import Callable
 import torch
 
 from .. import integration
-from . import conv_geometry as geo
+from ..geometry import conv as geo
+from ..nodes import is_conv_bwd as _is_conv_bwd
 from . import qnn_ops, runtime_tensors, transpose_conv
 
 logger = logging.getLogger(__name__)
@@ -70,10 +71,6 @@ def raw_layout(numel: int) -> tuple[list[int], int]:
 
 def _edge_ops():
     return integration.get("ops").edge.aten
-
-
-def _is_conv_bwd(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target == _edge_ops().convolution_backward.default
 
 
 def _reads_weight_values(node: torch.fx.Node) -> bool:

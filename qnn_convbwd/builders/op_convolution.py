@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .. import integration, options
-from . import conv_geometry as geo
+from ..geometry import conv as geo
 from . import input_gradient_runtime_weight, qnn_ops, runtime_tensors, weights
 
 # aten.convolution(input, weight, bias, stride, padding, dilation, transposed,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import integration, options
-from . import conv_geometry as geo
+from ..geometry import conv as geo
 from . import weight_gradient
 from .input_gradient import FORMULATIONS, GradInputRequest
 

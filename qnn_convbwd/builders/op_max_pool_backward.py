@@ -24,7 +24,7 @@ Per window offset ``j`` (``kernel`` offsets, row-major)::
   measuring: QAIRT 2.51's HTP rejects it in floating point (docs/max_pool.md).
 
 The indices count in the plane recorded by the transform pass
-(``pool_geometry.IndexPlane`` under ``INDEX_PLANE``), which may be the padded
+(``geometry.pool.IndexPlane`` under ``INDEX_PLANE``), which may be the padded
 plane of executorch's RecomposePadMaxPool2d. The visitor does not decide
 support (``partition.max_pool.decide`` does).
 """
@@ -35,14 +35,13 @@ import numpy as np
 import torch
 
 from .. import integration
-from . import pool_geometry as pg
+from ..geometry import pool as pg
+from ..meta import INDEX_PLANE
 from . import qnn_ops
 
 NodeVisitor = integration.get("NodeVisitor")
 
 TARGET = "aten.max_pool2d_with_indices_backward.default"
-# Node meta key, set by passes/max_pool_backward.py: the IndexPlane of the node's indices.
-INDEX_PLANE = "qnn_convbwd_index_plane"
 
 
 def window_table(pool: pg.MaxPoolBackward, plane: pg.IndexPlane, offset) -> np.ndarray:

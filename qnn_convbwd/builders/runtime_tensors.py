@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from .. import integration, signature
-from . import conv_geometry as geo
+from ..geometry import conv as geo
 from . import qnn_ops
 
 

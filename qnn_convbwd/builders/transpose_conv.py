@@ -12,7 +12,7 @@ import dataclasses
 import torch
 
 from .. import integration
-from . import conv_geometry as geo
+from ..geometry import conv as geo
 from . import qnn_ops, weights
 
 

@@ -6,7 +6,7 @@ name. The backward visitors ask for the same name and layout, so they receive
 the very same wrapper: the weight's bytes enter the QNN graph once. Any other
 layout (HWOI for TransposeConv) is a data-less tensor produced by a Transpose
 op, built once per weight and shared by every backward node that reads it.
-Layout names: ``conv_geometry`` (they cover 2-D and 3-D kernels).
+Layout names: ``geometry.conv`` (they cover 2-D and 3-D kernels).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import integration
-from . import conv_geometry as geo
+from ..geometry import conv as geo
 from . import qnn_ops, runtime_tensors
 
 

@@ -10,7 +10,7 @@ and 3-D nodes cannot be lifted, and the plugin says so when they stay on CPU.
 
 from __future__ import annotations
 
-from ..builders import conv_geometry as geo
+from ..geometry import conv as geo
 
 KERNEL_SPATIAL_DIMS = 2
 

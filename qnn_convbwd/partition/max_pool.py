@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration
-from ..builders import pool_geometry as pg
+from ..geometry import pool as pg
+from ..nodes import is_max_pool_backward  # noqa: F401 (its callers' name for it)
 from .target import Target
-from .verdict import Rejection
+from .verdict import Rejection, rules
 
 logger = logging.getLogger(__name__)
 
@@ -30,14 +30,6 @@ MIN_HTP_ARCH = 69
 FLOAT_DTYPES = (torch.float32, torch.float16)
 # Window offsets become one Equal/Select/Pad/Add chain each: bound the graph size.
 MAX_WINDOW = 49
-
-
-def is_max_pool_backward(node) -> bool:
-    return (
-        isinstance(node, torch.fx.Node)
-        and node.op == "call_function"
-        and node.target == integration.get("ops").edge.aten.max_pool2d_with_indices_backward.default
-    )
 
 
 def _rejection(rule: str, reason: str, values: str) -> Rejection:
@@ -56,12 +48,7 @@ class Decision:
 
 
 Rule = Callable[[torch.fx.Node, pg.MaxPoolBackward, Target], Rejection | None]
-RULES: list[tuple[str, Rule]] = []
-
-
-def rule(fn: Rule) -> Rule:
-    RULES.append((fn.__name__, fn))
-    return fn
+RULES, rule = rules(OP)
 
 
 @rule

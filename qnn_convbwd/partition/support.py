@@ -1,4 +1,4 @@
-"""Every "can this convolution_backward go to QNN?" decision, in one place.
+"""The convolution_backward rules: what about the op keeps it off QNN.
 
 Each rule is a small function ``(node, conv, target) -> Rejection | None``. Rules
 run in order; the first rejection is the node's reason. ``decide`` logs it as
@@ -6,8 +6,9 @@ exactly one line::
 
     convolution_backward <node>: not delegated: <reason> (<values>)
 
-and the same text appears in ``qnn_convbwd.lower()``'s report. The visitor and
-the passes never re-decide support: they ask ``decide``.
+and the same text appears in ``qnn_convbwd.lower()``'s report. The node's whole
+verdict (skip options, executorch's own check) is ``judge.judge``'s, which runs
+these rules first; the visitor and the passes never re-decide support.
 
 Rules about what the builders can lower (which gradients, how many spatial
 dims, dilation) read ``CAPABILITIES``, so widening the lowering is one entry
@@ -24,9 +25,10 @@ from collections.abc import Callable
 import torch
 
 from .. import integration, signature
-from ..builders import conv_geometry as geo
+from ..geometry import conv as geo
+from ..meta import PINNED
 from .target import Target
-from .verdict import Rejection
+from .verdict import Rejection, rules
 
 logger = logging.getLogger(__name__)
 
@@ -45,10 +47,6 @@ KNOWN_CAPABILITIES: frozenset[str] = frozenset(
 )
 # output_mask order: https://github.com/pytorch/pytorch/blob/main/aten/src/ATen/native/native_functions.yaml
 GRADIENTS = ("grad_input", "grad_weight", "grad_bias")
-# Node meta key: the Decision taken on a node before a rewrite made its operands
-# unfit for the rules (a 1-D node lifted to 2-D for executorch's CPU kernel reads
-# views of its operands). decide() returns it instead of running the rules again.
-PINNED = "qnn_convbwd_pinned_decision"
 
 
 def spatial_capability(spatial_dims: int) -> str:
@@ -75,12 +73,7 @@ class Decision:
 
 
 Rule = Callable[[torch.fx.Node, geo.ConvBackward, Target], Rejection | None]
-RULES: list[tuple[str, Rule]] = []
-
-
-def rule(fn: Rule) -> Rule:
-    RULES.append((fn.__name__, fn))
-    return fn
+RULES, rule = rules("convolution_backward")
 
 
 def _reject(reason: str, values: str) -> Rejection:

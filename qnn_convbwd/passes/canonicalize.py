@@ -32,36 +32,21 @@ from __future__ import annotations
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from .. import integration
-from ..partition import support
+from .. import nodes
+from ..meta import NAME_SEEN
+from ..partition import judge, support
 from ..partition.target import Target
 from . import max_pool_backward
 from .consecutive_permutes import fold_consecutive_permutes
-from .conv1d import ON_CPU, lift_conv1d, unbake_trainable_weights
+from .conv1d import lift_conv1d, unbake_trainable_weights
 from .int64_constants import narrow_int64_scalar_tensors
 from .shape_only_operands import replace_shape_only_operands
 from .split_gradients import split_input_gradient
 
-# Node meta key: the name a convolution_backward had when this pass first saw it.
-# executorch's skip_node_id_set names nodes, and names do not last: passes after
-# this one retrace the graph and number nodes of one op in graph order, so a
-# grad_weight half inserted by the split takes the name of the next node
-# (measured: ``aten_convolution_backward_default_1`` then named another node's
-# half, which was kept on CPU instead). The split halves and the lifted nodes
-# keep their metadata, so this name follows the node the user meant.
-NAME_SEEN = "qnn_convbwd_name_seen"
-
-
-def skip_name(node: torch.fx.Node) -> str:
-    """The name executorch's skip_node_id_set is matched against."""
-    return node.meta.get(NAME_SEEN, node.name)
-
 
 def _remember_names(graph: torch.fx.Graph) -> None:
-    ops = integration.get("ops").edge.aten
-    targets = (ops.convolution_backward.default, ops.max_pool2d_with_indices_backward.default)
     for node in graph.nodes:
-        if node.op == "call_function" and node.target in targets:
+        if nodes.is_conv_bwd(node) or nodes.is_max_pool_backward(node):
             node.meta.setdefault(NAME_SEEN, node.name)
 
 
@@ -81,23 +66,6 @@ class CanonicalizeConvolutionBackward(PassBase):
         self.skip_node_id_set = set(skip_node_id_set or ())
         self.skip_node_op_set = set(skip_node_op_set or ())
 
-    def _kept_on_cpu(self, node: torch.fx.Node) -> bool:
-        """executorch's skip options keep ``node`` on CPU."""
-        return skip_name(node) in self.skip_node_id_set or (
-            node.target.__name__ in self.skip_node_op_set
-        )
-
-    def _delegated(self, target: Target):
-        def delegated(node: torch.fx.Node) -> bool:
-            if skip_name(node) in self.skip_node_id_set:
-                return False
-            if node.target.__name__ in self.skip_node_op_set:
-                return False
-            if node.meta.get(ON_CPU):
-                return False
-            return support.decide(node, target, log=False).supported
-
-        return delegated
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         target = (
@@ -106,7 +74,14 @@ class CanonicalizeConvolutionBackward(PassBase):
             else Target.unknown(self.edge_program)
         )
         _remember_names(graph_module.graph)
-        delegated = self._delegated(target)
+        # The partitioner's verdict, without executorch's check (it needs the QNN backend).
+        context = judge.Context(
+            target, frozenset(self.skip_node_id_set), frozenset(self.skip_node_op_set)
+        )
+
+        def delegated(node: torch.fx.Node) -> bool:
+            return judge.judge(node, context, log=False).supported
+
         changed = unbake_trainable_weights(graph_module, self.edge_program)
         changed += narrow_int64_scalar_tensors(graph_module)
         changed += fold_consecutive_permutes(graph_module)
@@ -118,5 +93,6 @@ class CanonicalizeConvolutionBackward(PassBase):
         )
         changed += split_input_gradient(graph_module, delegated)
         changed += replace_shape_only_operands(graph_module, delegated)
-        changed += max_pool_backward.rewrite(graph_module, target, self._kept_on_cpu)
+        # Logged here: a max pool backward kept on CPU is rewritten away before partitioning.
+        changed += max_pool_backward.rewrite(graph_module, lambda n: judge.judge(n, context))
         return PassResult(graph_module, changed > 0)

@@ -21,7 +21,7 @@ Every non-transposed 1-D node is lifted, wherever it will run:
   ``view_copy``: executorch turns a ``view_copy`` into a view of its base
   (``ReplaceViewCopyWithViewPass``), so the weight is not stored or copied a
   second time. The node and its reshapes carry ``ON_CPU`` and stay on CPU, and
-  the node carries the decision taken on its 1-D form (``support.PINNED``):
+  the node carries the decision taken on its 1-D form (``meta.PINNED``):
   the rules would judge the rewritten operands, not the user's node.
 
 The node is rewritten in place, so it keeps its name (executorch's
@@ -37,13 +37,10 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration, signature
-from ..builders import conv_geometry as geo
+from .. import integration, nodes, signature
+from ..geometry import conv as geo
+from ..meta import ON_CPU, PINNED
 from ..partition import support
-
-# Node meta key: the name of the lifted node that this node (or the node itself)
-# belongs to, for nodes the lift made to run on executorch's CPU kernels.
-ON_CPU = "qnn_convbwd_lifted_on_cpu"
 
 
 def _forward_weight(graph_module, weight_node, edge_program) -> torch.fx.Node | None:
@@ -196,11 +193,10 @@ def lift_conv1d(
     ``delegated``: whether the node goes to QNN (rules and skip options);
     ``decide``: the rules' decision, pinned on nodes that stay on CPU.
     """
-    ops = integration.get("ops").edge.aten
     graph = graph_module.graph
     lifted = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target != ops.convolution_backward.default:
+        if not nodes.is_conv_bwd(node):
             continue
         if node.args[geo.GRAD_OUTPUT].meta["val"].dim() != 3 or node.args[geo.TRANSPOSED]:
             continue
@@ -220,7 +216,7 @@ def lift_conv1d(
             with graph.inserting_before(node):
                 weight4 = reshapes.unsqueeze(graph, weight, node)
         if on_cpu:
-            node.meta[support.PINNED] = decide(node)
+            node.meta[PINNED] = decide(node)
             node.meta[ON_CPU] = node.name
 
         args = list(node.args)

@@ -15,16 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration, nodes
-from ..builders import conv_geometry as geo
-
-
-def _is_conv_bwd(node) -> bool:
-    return (
-        isinstance(node, torch.fx.Node)
-        and node.op == "call_function"
-        and node.target == integration.get("ops").edge.aten.convolution_backward.default
-    )
+from .. import nodes
+from ..geometry import conv as geo
 
 
 def is_weight_side_output(node) -> bool:
@@ -33,7 +25,7 @@ def is_weight_side_output(node) -> bool:
         isinstance(node, torch.fx.Node)
         and node.op == "call_function"
         and node.target == operator.getitem
-        and _is_conv_bwd(node.args[0])
+        and nodes.is_conv_bwd(node.args[0])
         and node.args[1] != 0
     )
 
@@ -54,7 +46,7 @@ def is_edge_condition(original: Callable, pass_, node) -> bool:
 
 
 def mark_as_transformed(original: Callable, pass_, node) -> None:
-    if not _is_conv_bwd(node):
+    if not nodes.is_conv_bwd(node):
         original(node)
         return
     grad_output = node.args[geo.GRAD_OUTPUT].meta["val"]

@@ -5,7 +5,7 @@ from a seed ``full_like(loss, 1)``. ``ScaleLoss`` makes the seed ``S``, so every
 gradient the HTP computes in fp16 is ``S`` times larger (above fp16's
 underflow), and multiplies each gradient output by ``1 / S`` where it leaves the
 graph. Those multiplications carry ``UNSCALE`` in their metadata and the
-partitioner keeps them on CPU (``api._is_node_supported``): they run in fp32 on
+partitioner keeps them on CPU (``partition.judge.loss_unscale``): they run in fp32 on
 the delegate's fp32 outputs, exact for a power-of-two ``S``.
 
 The loss output itself is not scaled (the seed is not an ancestor of it).
@@ -19,11 +19,10 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration
+from ..meta import UNSCALE
 
 logger = logging.getLogger(__name__)
 
-# Node meta key: a multiplication by 1 / loss_scale at a gradient output (stays on CPU).
-UNSCALE = "qnn_convbwd_unscale"
 
 
 class LossScaleError(ValueError):

@@ -8,7 +8,7 @@ partitioning:
   max pool visitor refuses a pool whose indices are used);
 * its input, read only for its shape, replaced by a static-shape ``full``
   (``SHAPE_OF``, see ``shape_only_operands.py``);
-* ``INDEX_PLANE``: the plane its indices count in (``pool_geometry.index_plane``).
+* ``INDEX_PLANE``: the plane its indices count in (``geometry.pool.index_plane``).
 
 A node that stays on CPU is rewritten into portable kernels that compute it
 right, when executorch's kernel would not::
@@ -41,13 +41,11 @@ from collections.abc import Callable
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from .. import integration
-from ..builders import pool_geometry as pg
-from ..builders.op_max_pool_backward import INDEX_PLANE
+from .. import integration, nodes
+from ..geometry import pool as pg
+from ..meta import INDEX_PLANE, ON_CPU, SHAPE_OF
 from ..partition import max_pool
-from ..partition.target import Target
-from .conv1d import ON_CPU
-from .shape_only_operands import SHAPE_OF
+from ..partition.judge import Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -220,25 +218,25 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
 
 
 def _pool_backward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
-    return [n for n in graph.nodes if max_pool.is_max_pool_backward(n)]
+    return [n for n in graph.nodes if nodes.is_max_pool_backward(n)]
 
 
 def rewrite(
     graph_module: torch.fx.GraphModule,
-    target: Target,
-    kept_on_cpu: Callable[[torch.fx.Node], bool],
+    verdict: Callable[[torch.fx.Node], Verdict],
 ) -> int:
     """Prepare delegated nodes for QNN, make CPU nodes right; return how many changed.
 
-    ``kept_on_cpu(node)``: executorch's skip options keep the node on CPU.
+    ``verdict(node)``: the partitioner's verdict (``partition.judge``), without
+    executorch's check.
     """
     changed = 0
     for node in _pool_backward_nodes(graph_module.graph):
-        decision = max_pool.decide(node, target)
-        if decision.supported and not kept_on_cpu(node):
+        found = verdict(node)
+        if found.supported:
             prepare_for_qnn(graph_module, node)
             changed += 1
-        elif decision.pool is not None and needs_cpu_rewrite(node):
+        elif found.rejection.rule != "parse" and needs_cpu_rewrite(node):
             logger.info(
                 "%s %s: runs on CPU as scatter_add (executorch's kernel would be wrong)",
                 max_pool.OP,

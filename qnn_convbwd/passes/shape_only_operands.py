@@ -30,10 +30,9 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration
-from ..builders import conv_geometry as geo
-
-SHAPE_OF = "qnn_convbwd_shape_of"
+from .. import integration, nodes
+from ..geometry import conv as geo
+from ..meta import SHAPE_OF
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ def replace_shape_only_operands(
             node.replace_all_uses_with(full)
             graph.erase_node(node)
             replaced += 1
-        elif node.target == ops.convolution_backward.default:
+        elif nodes.is_conv_bwd(node):
             mask = node.args[geo.OUTPUT_MASK]
             # (operand, read only for its shape): input without grad_weight, weight
             # without grad_input.

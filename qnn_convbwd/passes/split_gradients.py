@@ -20,19 +20,18 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration
-from ..builders import conv_geometry as geo
+from .. import nodes
+from ..geometry import conv as geo
 
 
 def split_input_gradient(
     graph_module: torch.fx.GraphModule, delegated: Callable[[torch.fx.Node], bool]
 ) -> int:
     """Rewrite in place; return how many nodes were split."""
-    target = integration.get("ops").edge.aten.convolution_backward.default
     graph = graph_module.graph
     split = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target != target:
+        if not nodes.is_conv_bwd(node):
             continue
         mask = list(node.args[geo.OUTPUT_MASK])
         if not mask[0] or not any(mask[1:]) or not delegated(node):
@@ -44,7 +43,7 @@ def split_input_gradient(
         args = list(node.args)
         args[geo.OUTPUT_MASK] = [False, *mask[1:]]
         with graph.inserting_after(last):
-            rest = graph.create_node("call_function", target, tuple(args), dict(node.kwargs))
+            rest = graph.create_node("call_function", node.target, tuple(args), dict(node.kwargs))
         rest.meta.update({k: v for k, v in node.meta.items() if k != "val"})
         rest.meta["val"] = (None, *value[1:])
         cursor = rest

@@ -13,8 +13,7 @@ from collections.abc import Callable
 import torch
 
 from .. import integration
-
-_TUPLE_KEY = "qnn_convbwd_tuple_dtypes"
+from ..meta import TUPLE_DTYPES as _TUPLE_KEY
 
 
 def _is_graph_output(node: torch.fx.Node) -> bool:

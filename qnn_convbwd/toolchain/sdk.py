@@ -299,11 +299,28 @@ def _prepend_env(name: str, value: str) -> None:
         os.environ[name] = os.pathsep.join([value, *parts])
 
 
+# The environment variables ensure_sdk sets for a root it assembled (a user's
+# QNN_SDK_ROOT leaves the environment as it is).
+ENVIRONMENT = ("QNN_SDK_ROOT", "LD_LIBRARY_PATH")
+
+
+def _export(info: SdkInfo) -> None:
+    """For executorch (skips its SDK download) and for child processes."""
+    if info.source == "QNN_SDK_ROOT":
+        return
+    os.environ["QNN_SDK_ROOT"] = str(info.root)
+    _prepend_env("LD_LIBRARY_PATH", str(info.lib_dir))
+
+
 def ensure_sdk() -> SdkInfo:
-    """Make a QNN SDK usable in this process (idempotent); raise SdkUnavailable if impossible."""
+    """Make a QNN SDK usable in this process (idempotent); raise SdkUnavailable if impossible.
+
+    Also (again) exports ``ENVIRONMENT`` for a root assembled from the wheel, in case
+    it was restored since (``qnn_convbwd.disable()``)."""
     global _active
     with _lock:
         if _active is not None:
+            _export(_active)
             return _active
         _import_torch_and_adaptor()
         user_root = os.environ.get("QNN_SDK_ROOT")
@@ -339,9 +356,7 @@ def ensure_sdk() -> SdkInfo:
                 seconds,
                 saver if saver.exists() else None,
             )
-            # For executorch (skips its SDK download) and for child processes.
-            os.environ["QNN_SDK_ROOT"] = str(root)
-            _prepend_env("LD_LIBRARY_PATH", str(info.lib_dir))
+            _export(info)
         # A shim stands in for its library; the real Saver is never kept loaded (a loaded
         # Saver cannot be initialized twice), so without its shim it is not preloaded.
         stand_ins = {"libQnnHtp.so": info.shim, "libQnnSaver.so": info.saver_shim}

@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from . import api, models, training
-from .toolchain import harness
+from .. import api, training
+from ..toolchain import harness
+from . import models
 
 # model -> (default learning rate, what it is)
 MODELS = {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import options
+from .. import options
 
 GRAPHS = ("bn-bias", "bn-affine", "small-loss", "demo", "mobilenet", "resnet", "linear")
 
@@ -36,8 +36,9 @@ def _graph(name: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from . import api, fidelity
-    from .toolchain import harness
+    from .. import api
+    from ..toolchain import harness
+    from . import fidelity
 
     model, inputs, program = _graph(args.graph)
     with api.enabled(loss_scale=args.loss_scale, batch_norm=args.batch_norm):

@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from . import api, models, train_cli
-from .toolchain import SdkUnavailable, ensure_sdk, harness
+from .. import api
+from ..toolchain import SdkUnavailable, ensure_sdk, harness
+from . import models, train_cli
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ def run_htp(case: models.TrainingCase, args: argparse.Namespace) -> int:
 
 
 def run_saver(case: models.TrainingCase, soc: str, reason: str) -> int:
-    from .toolchain import saver
+    from ..toolchain import saver
 
     print(f"backend: Saver ({reason})")
     program = case.joint()

@@ -46,8 +46,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from . import integration, models, train_cli
-from .integration import QnnOpInfo, QnnTensorInfo
+from .. import integration
+from ..integration import QnnOpInfo, QnnTensorInfo
+from . import models, train_cli
 
 MAC_OPS = (
     "Conv2d",
@@ -335,8 +336,8 @@ class CostReport:
 def measure_lowering(
     case: models.TrainingCase, soc: str, label: str, skip_node_op_set: set | None = None
 ) -> Lowered:
-    from . import api
-    from .toolchain import harness
+    from .. import api
+    from ..toolchain import harness
 
     with integration.capture_qnn_graphs() as graphs:
         result = api.lower(

@@ -257,7 +257,7 @@ class TrainingCase:
     inputs: tuple[torch.Tensor, ...]
 
     def joint(self) -> torch.export.ExportedProgram:
-        from .training import export_joint
+        from ..training import export_joint
 
         return export_joint(self.model, self.inputs)
 

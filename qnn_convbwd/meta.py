@@ -1,0 +1,45 @@
+"""Every ``node.meta`` key the plugin writes, in one module.
+
+Passes set them on the edge graph; the support rules, the partitioner hooks and
+the visitors read them. All keys start with ``qnn_convbwd_`` so they cannot
+collide with torch's or executorch's own.
+"""
+
+from __future__ import annotations
+
+# The name a convolution_backward (or max_pool2d_with_indices_backward) had when
+# the transform pass first saw it. executorch's skip_node_id_set names nodes, and
+# names do not last: passes after it retrace the graph and number nodes of one op
+# in graph order, so a grad_weight half inserted by the split takes the name of
+# the next node (measured: ``aten_convolution_backward_default_1`` then named
+# another node's half, which was kept on CPU instead). The split halves and the
+# lifted nodes keep their metadata, so this name follows the node the user meant.
+# Set by passes/canonicalize.py.
+NAME_SEEN = "qnn_convbwd_name_seen"
+
+# The support Decision taken on a node before a rewrite made its operands unfit for
+# the rules (a 1-D node lifted to 2-D for executorch's CPU kernel reads views of its
+# operands). partition.support.decide returns it instead of running the rules again.
+PINNED = "qnn_convbwd_pinned_decision"
+
+# The name of the lifted node that this node (or the node itself) belongs to, for
+# nodes passes/conv1d.py made to run on executorch's CPU kernels.
+ON_CPU = "qnn_convbwd_lifted_on_cpu"
+
+# A static-shape ``full`` standing in for an operand read only for its shape
+# (passes/shape_only_operands.py); the value is the original operand's name.
+SHAPE_OF = "qnn_convbwd_shape_of"
+
+# A multiplication by 1 / loss_scale at a gradient output (passes/loss_scale.py):
+# it stays on CPU, in fp32.
+UNSCALE = "qnn_convbwd_unscale"
+
+# The IndexPlane of a max_pool2d_with_indices_backward's indices
+# (passes/max_pool_backward.py), read by its visitor.
+INDEX_PLANE = "qnn_convbwd_index_plane"
+
+# The output dtypes of a tuple-valued node before executorch's I64toI32 pass
+# (passes/tuple_outputs.py).
+TUPLE_DTYPES = "qnn_convbwd_tuple_dtypes"
+
+ALL = (NAME_SEEN, PINNED, ON_CPU, SHAPE_OF, UNSCALE, INDEX_PLANE, TUPLE_DTYPES)

@@ -1,0 +1,356 @@
+"""The one verdict: is this node delegated to QNN, and if not, why.
+
+``judge(node, context)`` is asked by the partitioner (through the hook
+``api`` installs on executorch's ``QnnOperatorSupport.is_node_supported``), by
+the transform pass (``passes/canonicalize.py``, before it rewrites the nodes it
+delegates) and by ``qnn_convbwd.decide``. It runs, in order:
+
+1. the op's own rules: ``support`` (convolution_backward) and ``max_pool``
+   (max_pool2d_with_indices_backward);
+2. the graph rules below (``GRAPH``), for every node: executorch's skip
+   options, trainable parameters read by a visitor that bakes them, nodes the
+   plugin keeps on CPU, constants that follow their consumers;
+3. executorch's own check (the partitioner only: it builds the node's QNN ops
+   and asks the backend's op validation); when it refuses, the ``EXECUTORCH``
+   rules say which of its reasons applies. Without a backend (``decide``, the
+   transform pass) those rules run on their own and op validation is assumed.
+
+Every rule is a named function registered in ``verdict.REGISTRY`` and returns a
+``Rejection`` with its reason; the first one is the node's verdict, logged as one
+INFO line ``<op> <node>: not delegated: <reason> (<values>)``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import logging
+import operator
+from collections.abc import Callable
+
+import torch
+
+from .. import integration, nodes
+from ..geometry import conv as geo
+from ..meta import NAME_SEEN, ON_CPU, SHAPE_OF, UNSCALE
+from ..nodes import origins
+from . import cpu_kernel, max_pool, support, trainable
+from .target import Target
+from .verdict import Rejection, rules
+
+logger = logging.getLogger(__name__)
+
+GRAPH = "graph"
+EXECUTORCH = "executorch"
+GRAPH_RULES, graph_rule = rules(GRAPH)
+EXECUTORCH_RULES, executorch_rule = rules(EXECUTORCH)
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a verdict depends on besides the node."""
+
+    target: Target
+    skip_ids: frozenset[str] = frozenset()
+    skip_ops: frozenset[str] = frozenset()
+    # The verdict on another node (a constant's consumers, a getitem's producer);
+    # None: ``judge`` on it, quietly, without executorch's check.
+    delegated: Callable[[torch.fx.Node], bool] | None = None
+
+    def other_delegated(self, node: torch.fx.Node) -> bool:
+        if self.delegated is not None:
+            return self.delegated(node)
+        return judge(node, self, log=False).supported
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    node: str
+    op: str
+    rejection: Rejection | None
+
+    @property
+    def supported(self) -> bool:
+        return self.rejection is None
+
+    @property
+    def reason(self) -> str:
+        if self.rejection is None:
+            return "delegated"
+        rejection = self.rejection
+        return f"{rejection.reason} ({rejection.values})" if rejection.values else rejection.reason
+
+
+def op_name(node: torch.fx.Node) -> str:
+    """The op's name as the log lines and reports show it (``convolution_backward``,
+    ``aten.mean.dim``, ``getitem``)."""
+    if nodes.is_conv_bwd(node):
+        return "convolution_backward"
+    if nodes.is_max_pool_backward(node):
+        return max_pool.OP
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def skip_name(node: torch.fx.Node) -> str:
+    """The name executorch's skip_node_id_set is matched against: the name the transform
+    pass saw (``meta.NAME_SEEN``), since later passes renumber nodes."""
+    return node.meta.get(NAME_SEEN, node.name)
+
+
+def _plugin_op(node: torch.fx.Node) -> bool:
+    return nodes.is_conv_bwd(node) or nodes.is_max_pool_backward(node)
+
+
+def _reject(node: torch.fx.Node, reason: str, values: str) -> Rejection:
+    # The rule name is filled in by judge(); rules only say why.
+    return Rejection("", reason, values, op=op_name(node))
+
+
+# --- graph rules: every node ---------------------------------------------------
+
+
+@graph_rule
+def skip_options(node, context):
+    """executorch's skip_node_id_set / skip_node_op_set keep the node on CPU."""
+    if node.target in integration.get("allow_list_operator"):
+        return None  # executorch passes these before it reads the skip options
+    name = skip_name(node)
+    # A convolution_backward the transform pass lifted for the CPU (ON_CPU) whose
+    # rules delegate it was kept there by the skip options the pass was given.
+    lifted = _plugin_op(node) and bool(node.meta.get(ON_CPU))
+    op = getattr(node.target, "__name__", "")
+    if name in context.skip_ids or lifted or op in context.skip_ops:
+        return _reject(node, "kept on CPU by executorch's skip options", "")
+    return None
+
+
+@graph_rule
+def trainable_parameter_baked(node, context):
+    """An executorch visitor that reads its operand's values would bake a trainable one."""
+    why = trainable.refusal(node, context.target.edge_program)
+    if why is None:
+        return None
+    return _reject(node, "reads a trainable parameter, which executorch's visitor bakes", why)
+
+
+@graph_rule
+def lifted_for_cpu(node, context):
+    """A node the transform pass added for a node it keeps on CPU (the reshapes of a
+    1-D convolution_backward lifted to 2-D for executorch's CPU kernel, a max pool's
+    int32 indices cast): it runs with that node."""
+    if _plugin_op(node) or not node.meta.get(ON_CPU):
+        return None
+    return _reject(node, "prepares a node the plugin keeps on CPU", node.meta[ON_CPU])
+
+
+@graph_rule
+def loss_unscale(node, context):
+    """The 1 / loss_scale of a gradient output: fp32 on CPU, where it is exact."""
+    if not node.meta.get(UNSCALE):
+        return None
+    return _reject(node, "divides a gradient by the loss scale in fp32 on CPU", "loss_scale")
+
+
+@graph_rule
+def constant_follows_consumers(node, context):
+    """A constant (executorch's constant ops: full, scalar_tensor, arange, and the
+    shape-only stand-ins the plugin inserts) is delegated only together with every
+    consumer: alone it would be a constant delegate output, which QNN does not bind
+    (the runtime then reads past its argument list)."""
+    if not (node.meta.get(SHAPE_OF) or node.target in integration.get("constant_operator")):
+        return None
+    kept = [user.name for user in node.users if not context.other_delegated(user)]
+    if not kept:
+        return None
+    return _reject(node, "a constant is delegated only with every consumer", ", ".join(kept))
+
+
+@graph_rule
+def follows_its_producer(node, context):
+    """A getitem of a convolution_backward stays where its producer runs."""
+    if not nodes.is_getitem_of(node, nodes.is_conv_bwd):
+        return None
+    producer = node.args[0]
+    if context.other_delegated(producer):
+        return None
+    return _reject(node, "its convolution_backward stays on CPU", producer.name)
+
+
+# --- executorch's own reasons: QnnOperatorSupport.is_node_supported ------------------
+
+
+@executorch_rule
+def not_supported_operator(node, context):
+    if node.target not in integration.get("not_supported_operator"):
+        return None
+    return _reject(
+        node, "executorch's QNN partitioner never delegates this op", "not_supported_operator"
+    )
+
+
+@executorch_rule
+def to_be_implemented(node, context):
+    if node.target not in integration.get("to_be_implemented_operator"):
+        return None
+    return _reject(
+        node,
+        "executorch's QNN backend does not implement this op yet",
+        "to_be_implemented_operator",
+    )
+
+
+@executorch_rule
+def forced_fallback(node, context):
+    key = integration.get("QCOM_FALLBACK_NODE")
+    if not node.meta.get(key, False):
+        return None
+    return _reject(node, "marked to fall back to CPU", f"meta[{key!r}]")
+
+
+@executorch_rule
+def no_visitor(node, context):
+    name = getattr(node.target, "__name__", str(node.target))
+    if name in integration.get("_node_visitor_dict"):
+        return None
+    return _reject(node, "executorch's QNN backend has no visitor for this op", name)
+
+
+@executorch_rule
+def backend_validation(node, context):
+    """Asked only when executorch's check refused the node for none of the reasons above."""
+    return _reject(
+        node,
+        "rejected by the QNN backend's op validation (or its visitor built no op)",
+        context.target.soc,
+    )
+
+
+def _executorch_refusal(node: torch.fx.Node, context: Context, validated: bool) -> Rejection | None:
+    """Which of executorch's reasons refuses ``node``; ``validated``: its check ran and
+    refused it, so op validation is the reason when no other applies."""
+    if node.target in integration.get("allow_list_operator"):
+        return None
+    for name, fn in EXECUTORCH_RULES:
+        if fn is backend_validation and not validated:
+            continue
+        found = fn(node, context)
+        if found is not None:
+            return dataclasses.replace(found, rule=name)
+    return None
+
+
+def _rules_rejection(node: torch.fx.Node, context: Context) -> Rejection | None:
+    if nodes.is_conv_bwd(node):
+        found = support.decide(node, context.target, log=False).rejection
+    elif nodes.is_max_pool_backward(node):
+        found = max_pool.decide(node, context.target, log=False).rejection
+    else:
+        found = None
+    if found is not None:
+        return found
+    for name, fn in GRAPH_RULES:
+        found = fn(node, context)
+        if found is not None:
+            return dataclasses.replace(found, rule=name)
+    return None
+
+
+def judge(
+    node: torch.fx.Node,
+    context: Context,
+    executorch: Callable[..., bool] | None = None,
+    log: bool = True,
+) -> Verdict:
+    """The node's verdict; ``executorch(skip_node_id_set=None)`` is executorch's own check
+    of it (the partitioner's hook passes it; None: the rules alone decide)."""
+    rejection = _rules_rejection(node, context)
+    if rejection is None and not nodes.is_getitem_of(node, nodes.is_conv_bwd):
+        if executorch is None:
+            rejection = _executorch_refusal(node, context, validated=False)
+        # The skip options are applied above, by the name the transform pass saw; executorch
+        # matches skip_node_id_set against the current name, which may be another node's.
+        elif not executorch(skip_node_id_set=set()):
+            rejection = _executorch_refusal(node, context, validated=True)
+    # A getitem's verdict is its producer's, which logged it.
+    if rejection is not None and log and rejection.rule != "follows_its_producer":
+        # ``extra`` lets callers (and tests) tell which rule spoke without parsing text.
+        logger.info(
+            rejection.message(node.name),
+            extra={"convbwd_node": node.name, "convbwd_rule": rejection.rule},
+        )
+    return Verdict(node.name, op_name(node), rejection)
+
+
+# --- the partitioner ------------------------------------------------------------------
+
+# Latest verdict per node name (and the names it was traced from), written while
+# partitioning; ``qnn_convbwd.lower`` and ``decide`` clear and read it.
+VERDICTS: dict[str, Verdict] = {}
+# True while a node's users are checked on its behalf (their verdicts are not logged twice).
+_nested: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "qnn_convbwd_nested_check", default=False
+)
+
+
+def record(node: torch.fx.Node, verdict: Verdict) -> None:
+    if nodes.is_call(node, operator.getitem):
+        return  # its verdict is its producer's, and it is traced from the producer's name
+    # Only an op the plugin rewrites is recorded under the names it was traced from:
+    # the nodes a pass adds for it (reshapes, casts) are traced from its name too.
+    for name in origins(node) if _plugin_op(node) else [node.name]:
+        VERDICTS[name] = verdict
+
+
+def in_partitioner(
+    node: torch.fx.Node,
+    context: Context,
+    executorch: Callable[..., bool],
+    ask: Callable[[torch.fx.Node], bool],
+) -> bool:
+    """executorch's ``is_node_supported`` for ``node``: the verdict, recorded and logged.
+
+    ``executorch(skip_node_id_set=None)`` runs executorch's own check of ``node``;
+    ``ask(other)`` the partitioner's check of another node (a constant's consumer).
+    A convolution_backward asked about on another node's behalf is judged by the
+    rules and the skip options without building its ops again.
+    """
+    nested = _nested.get()
+
+    def delegated(other: torch.fx.Node) -> bool:
+        if nodes.is_conv_bwd(other):
+            return judge(other, quiet, log=False).supported
+        token = _nested.set(True)  # the node logs its own verdict when visited
+        try:
+            return ask(other)
+        finally:
+            _nested.reset(token)
+
+    quiet = dataclasses.replace(context, delegated=None)
+    here = dataclasses.replace(context, delegated=delegated)
+    # A max pool backward's rules spoke in the transform pass, which rewrote the
+    # node for the CPU if they kept it there: not logged a second time.
+    log = not nested and not nodes.is_max_pool_backward(node)
+    verdict = judge(node, here, executorch, log=log)
+    record(node, verdict)
+    if not verdict.supported and not nested:
+        _warn_about_consequences(node, verdict)
+    return verdict.supported
+
+
+def _warn_about_consequences(node: torch.fx.Node, verdict: Verdict) -> None:
+    """One warning for a node whose place on CPU fails or is wrong at run time."""
+    if nodes.is_conv_bwd(node):
+        try:
+            why = cpu_kernel.refusal(geo.parse(node))
+        except geo.ConvArgumentError:
+            return
+        if why is not None:
+            logger.warning(cpu_kernel.warning(node.name, why))
+    elif nodes.is_max_pool_backward(node) and verdict.rejection.rule == "backend_validation":
+        logger.warning(
+            "%s %s: rejected by the QNN backend's op validation on %s after it was "
+            "prepared for QNN (int32 indices): executorch's CPU kernel cannot run it",
+            max_pool.OP,
+            node.name,
+            verdict.rejection.values,
+        )

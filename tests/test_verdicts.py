@@ -1,0 +1,356 @@
+"""The one verdict (``partition.judge``) and its one registry of named rules.
+
+Every rule registered in ``partition.verdict.REGISTRY`` is produced here by a
+node it is written for (``REACH``), and ``test_every_registered_rule_is_reached``
+fails when a rule is registered without such a node. ``decide()`` lists every op
+kept on CPU with its reason, not only convolution_backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+
+import cases
+import pytest
+import torch
+from executorch.exir import to_edge
+from torch import nn
+
+import qnn_convbwd
+from qnn_convbwd import integration, meta, nodes
+from qnn_convbwd.partition import judge, support, verdict
+from qnn_convbwd.partition.target import Target
+from qnn_convbwd.tools import models
+
+SOC = "SM8650"
+
+
+def htp(program, soc: str = SOC, arch: int | None = 75, backend: str = "htp") -> Target:
+    return Target(backend=backend, soc=soc, htp_arch=arch, saver=False, edge_program=program)
+
+
+def _first(program, predicate) -> torch.fx.Node:
+    return next(n for n in program.graph.nodes if predicate(n))
+
+
+def _of(op_name: str) -> Callable[[torch.fx.Node], bool]:
+    return lambda n: n.op == "call_function" and getattr(n.target, "__name__", "") == op_name
+
+
+# --- graphs the rules are written for ----------------------------------------------------
+
+
+class _Ops(nn.Module):
+    """One of each op executorch refuses or the plugin's graph rules look at."""
+
+    def forward(self, x):
+        y = torch.relu(x) + torch.full((1, 3, 4, 4), 2.0)
+        others = torch.neg(x), torch.tanh(x), torch.sigmoid(x)
+        return y.mean(), x.le(0.5), torch.clone(x).sum(), *others
+
+
+@pytest.fixture
+def ops_program():
+    return _ops_program()
+
+
+class _Pool(nn.Module):
+    def __init__(self, kernel, dtype=torch.float32):
+        super().__init__()
+        self.kernel, self.dtype = kernel, dtype
+
+    def forward(self, grad, x, indices):
+        k = self.kernel
+        return torch.ops.aten.max_pool2d_with_indices_backward(
+            grad, x, [k, k], [k, k], [0, 0], [1, 1], False, indices
+        )
+
+
+@functools.cache
+def _pool_program(kernel=2, dtype=torch.float32):
+    x = torch.randn(1, 2, 2 * kernel, 2 * kernel, dtype=dtype)
+    out, indices = torch.ops.aten.max_pool2d_with_indices(x, [kernel] * 2, [kernel] * 2)
+    grad = torch.randn(*out.shape, dtype=dtype)
+    with qnn_convbwd.enabled():
+        program = torch.export.export(_Pool(kernel, dtype), (grad, x, indices))
+        return to_edge(program).exported_program()
+
+
+def _conv_case(name: str, fresh: bool = False):
+    built = cases.CASE_BY_NAME[name].build() if fresh else _built(name)
+    (node,) = cases.conv_backward_nodes(built.program.graph)
+    return node, judge.Context(htp(built.program))
+
+
+@functools.cache
+def _built(name: str) -> cases.Built:
+    return cases.CASE_BY_NAME[name].build()
+
+
+def _case_with_rule(rule: str) -> str:
+    """A case the rule rejects as the builders are today, else one it rejects when the
+    capabilities it needs are withdrawn."""
+    with_rule = [c for c in cases.CASES if c.rule == rule]
+    today = [c for c in with_rule if not c.supported(support.CAPABILITIES)]
+    return (today or with_rule)[0].name
+
+
+def _capabilities(key) -> frozenset[str]:
+    family, rule = key
+    if family != CONV or (family, rule) not in CASE_RULES:
+        return support.CAPABILITIES
+    case = cases.CASE_BY_NAME[_case_with_rule(rule)]
+    return WITHDRAWN if case.supported(support.CAPABILITIES) else support.CAPABILITIES
+
+
+# (family, rule) -> () -> (node, context, executorch's check or None)
+Reach = Callable[[], tuple[torch.fx.Node, judge.Context, Callable[..., bool] | None]]
+REACH: dict[tuple[str, str], Reach] = {}
+
+
+def reaches(family: str, rule: str):
+    def register(fn: Reach) -> Reach:
+        REACH[(family, rule)] = fn
+        return fn
+
+    return register
+
+
+CONV = "convolution_backward"
+# Rules the builders' capabilities silence today: reached with them withdrawn.
+WITHDRAWN = frozenset({"grad_input", "conv2d"})
+for _rule in {c.rule for c in cases.CASES if c.rule}:
+
+    def _from_case(rule=_rule):
+        node, context = _conv_case(_case_with_rule(rule))
+        return node, context, None
+
+    REACH[(CONV, _rule)] = _from_case
+CASE_RULES = set(REACH)
+
+
+@reaches(CONV, "backend_is_htp")
+def _gpu():
+    node, context = _conv_case("plain")
+    return node, judge.Context(htp(context.target.edge_program, backend="gpu")), None
+
+
+@reaches(CONV, "htp_arch_supported")
+def _v68():
+    node, context = _conv_case("plain")
+    return node, judge.Context(htp(context.target.edge_program, "SM8350", 68)), None
+
+
+@reaches(CONV, "not_quantized")
+def _quantized():
+    node, context = _conv_case("plain", fresh=True)
+    node.args[0].meta[integration.get("QCOM_QUANT_ATTRS")] = {"scale": 0.1}
+    return node, context, None
+
+
+POOL = "max_pool2d_with_indices_backward"
+
+
+def _pool(program, **target) -> tuple:
+    node = _first(program, nodes.is_max_pool_backward)
+    return node, judge.Context(htp(program, **target)), None
+
+
+@reaches(POOL, "backend_is_htp")
+def _pool_gpu():
+    return _pool(_pool_program(), backend="gpu")
+
+
+@reaches(POOL, "htp_arch_supported")
+def _pool_v68():
+    return _pool(_pool_program(), soc="SM8350", arch=68)
+
+
+@reaches(POOL, "float_gradient")
+def _pool_float64():
+    return _pool(_pool_program(dtype=torch.float64))
+
+
+@reaches(POOL, "window_size")
+def _pool_8x8():
+    return _pool(_pool_program(kernel=8))
+
+
+@reaches(POOL, "windows_fit")
+def _pool_wrong_size():
+    program = _pool_program.__wrapped__()  # its own: the test edits a shape
+    node = _first(program, nodes.is_max_pool_backward)
+    grad = node.args[0]
+    grad.meta["val"] = torch.empty(1, 2, 3, 3)  # not the pooled size of the 4x4 input
+    return node, judge.Context(htp(program)), None
+
+
+GRAPH, ET = judge.GRAPH, judge.EXECUTORCH
+
+
+@reaches(GRAPH, "skip_options")
+def _skipped():
+    node, context = _conv_case("plain")
+    return node, judge.Context(context.target, skip_ids=frozenset({node.name})), None
+
+
+@reaches(GRAPH, "trainable_parameter_baked")
+def _trainable_norm():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 1), nn.GroupNorm(2, 4))
+    for name, parameter in net.named_parameters():
+        parameter.requires_grad_(name == "1.bias")
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net
+
+        def forward(self, x):
+            return self.net(x).sum()
+
+    from torch.export.experimental import _export_forward_backward
+
+    joint = _export_forward_backward(torch.export.export(Loss(), (torch.randn(1, 3, 4, 4),)))
+    program = to_edge(joint).exported_program()
+    return _first(program, _of("aten.native_group_norm.default")), judge.Context(htp(program)), None
+
+
+@reaches(GRAPH, "lifted_for_cpu")
+def _lifted():
+    program = _ops_program()
+    node = _first(program, _of("aten.neg.default"))
+    node.meta[meta.ON_CPU] = "a_lifted_convolution_backward"
+    return node, judge.Context(htp(program)), None
+
+
+@reaches(GRAPH, "loss_unscale")
+def _unscale():
+    program = _ops_program()
+    node = _first(program, _of("aten.add.Tensor"))
+    node.meta[meta.UNSCALE] = True
+    return node, judge.Context(htp(program)), None
+
+
+@reaches(GRAPH, "constant_follows_consumers")
+def _constant():
+    program = _ops_program()
+    node = _first(program, _of("aten.full.default"))
+    add = next(iter(node.users))
+    context = judge.Context(htp(program), skip_ids=frozenset({add.name}))
+    return node, context, None
+
+
+@reaches(GRAPH, "follows_its_producer")
+def _getitem():
+    node, context = _conv_case("transposed")
+    getitem = next(u for u in node.users if nodes.is_getitem_of(u, nodes.is_conv_bwd))
+    return getitem, context, None
+
+
+@reaches(ET, "not_supported_operator")
+def _clone():
+    program = _ops_program()
+    return _first(program, _of("dim_order_ops._clone_dim_order.default")), _ctx(program), None
+
+
+@reaches(ET, "to_be_implemented")
+def _le_scalar():
+    program = _ops_program()
+    return _first(program, _of("aten.le.Scalar")), _ctx(program), None
+
+
+@reaches(ET, "forced_fallback")
+def _fallback():
+    program = _ops_program()
+    node = _first(program, _of("aten.sigmoid.default"))
+    node.meta[integration.get("QCOM_FALLBACK_NODE")] = True
+    return node, _ctx(program), None
+
+
+@reaches(ET, "no_visitor")
+def _mean():
+    program = _ops_program()
+    return _first(program, _of("aten.mean.default")), _ctx(program), None
+
+
+@reaches(ET, "backend_validation")
+def _validation():
+    program = _ops_program()
+    # executorch's own check, as the partitioner passes it, refusing the node.
+    return _first(program, _of("aten.tanh.default")), _ctx(program), lambda **_: False
+
+
+def _ctx(program) -> judge.Context:
+    return judge.Context(htp(program))
+
+
+@functools.lru_cache(maxsize=1)
+def _ops_program():
+    """One program for the rules on any op; each rule's metadata goes on its own node."""
+    with qnn_convbwd.enabled():
+        exported = torch.export.export(_Ops(), (torch.randn(1, 3, 4, 4),))
+        return to_edge(exported).exported_program()
+
+
+# --- the tests ---------------------------------------------------------------------------
+
+
+def test_every_registered_rule_is_reached():
+    """A rule in the registry without a node that triggers it fails here."""
+    with qnn_convbwd.enabled():
+        registered = set(verdict.registered())
+    assert {family for family, _ in registered} >= {CONV, POOL, GRAPH, ET}
+    assert registered - set(REACH) == set(), "registered rules nothing reaches"
+    assert set(REACH) - registered == set(), "REACH names rules that are not registered"
+
+
+@pytest.mark.parametrize("key", sorted(REACH), ids=lambda k: f"{k[0]}:{k[1]}")
+def test_the_rule_is_the_verdict(key, caplog, monkeypatch):
+    family, rule = key
+    monkeypatch.setattr(support, "CAPABILITIES", _capabilities(key))
+    with qnn_convbwd.enabled():
+        node, context, executorch = REACH[key]()
+        caplog.set_level(logging.INFO, logger="qnn_convbwd")
+        found = judge.judge(node, context, executorch)
+    assert found.rejection is not None, f"{node.name} delegated, expected {rule}"
+    assert found.rejection.rule == rule, found.rejection
+    assert found.op == judge.op_name(node) and found.reason
+    logged = [r for r in caplog.records if getattr(r, "convbwd_node", None) == node.name]
+    if rule == "follows_its_producer":
+        assert logged == []  # its producer says why
+    else:
+        assert [r.convbwd_rule for r in logged] == [rule]
+        assert logged[0].getMessage() == found.rejection.message(node.name)
+        assert logged[0].levelno == logging.INFO
+
+
+def test_executorchs_verdict_stands_when_no_rule_refuses(ops_program):
+    """No rule refuses a relu: executorch's check decides, and its yes is the verdict."""
+    with qnn_convbwd.enabled():
+        relu = _first(ops_program, _of("aten.relu.default"))
+        context = _ctx(ops_program)
+        assert judge.judge(relu, context).supported  # no backend: the rules alone
+        assert judge.judge(relu, context, lambda **_: True).supported
+        assert not judge.judge(relu, context, lambda **_: False, log=False).supported
+
+
+def test_decide_lists_every_op_kept_on_cpu_with_its_reason():
+    """The demo graph on V68 with a skipped op: every op on CPU is in the report."""
+    from qnn_convbwd.toolchain import harness
+
+    graph = models.training_graph("demo", size=9)
+    report = qnn_convbwd.decide(
+        graph.program, harness.compile_specs("SM8350"), skip_node_op_set={"aten.relu.default"}
+    )
+    by_rule: dict[str, set[str]] = {}
+    for op in report.on_cpu:
+        by_rule.setdefault(op.rule, set()).add(op.op)
+    assert by_rule["htp_arch_supported"] == {"convolution_backward"}
+    assert "aten.mean.default" in by_rule["no_visitor"]
+    assert "aten.relu.default" in by_rule["skip_options"]
+    assert not any(op.op == "getitem" for op in report.on_cpu)
+    assert len([op for op in report.on_cpu if op.op == "convolution_backward"]) == len(report.rows)
+    assert "| no_visitor |" in report.on_cpu_markdown()

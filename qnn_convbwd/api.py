@@ -15,9 +15,17 @@ import torch
 
 from . import delegate_io, integration, logs, options, signature
 from .builders import conv_geometry as geo
+from .builders import pool_geometry as pg
+from .builders.op_max_pool_with_indices import INDICES_ON_HTP
 from .partition import cpu_kernel, max_pool, support, trainable
 from .partition.target import Target
-from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
+from .passes import (
+    int64_constants,
+    layout,
+    max_pool_backward,
+    preserve_output_dtypes,
+    record_output_dtypes,
+)
 from .passes.batch_norm import StableBatchNorm
 from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
 from .passes.conv1d import ON_CPU
@@ -133,6 +141,33 @@ def _judge_conv_bwd(original, checker, target: Target, node: torch.fx.Node) -> b
     return True
 
 
+def _judge_forward_pool(original, checker, target: Target, node: torch.fx.Node) -> bool:
+    """A forward max pool: executorch's verdict, unless the transform pass gave its
+    indices to the HTP (``INDICES_ON_HTP``); then the same rule again, with the
+    partitioner's view of the backwards, and the QNN op validation of the plugin's ops."""
+    if not node.meta.get(INDICES_ON_HTP):
+        return original()
+
+    def backward_delegated(backward: torch.fx.Node) -> bool:
+        return max_pool.decide(backward, target, log=False).supported and not _skipped(
+            checker, backward
+        )
+
+    decision = max_pool.decide_forward(node, target, backward_delegated, log=False)
+    if decision.supported and not _skipped(checker, node) and original(skip_node_id_set=set()):
+        return True
+    if not _nested_check.get():
+        logger.warning(
+            "%s %s: prepared for the HTP with its indices, then refused by the partitioner "
+            "(%s): its backwards read int64 indices from CPU and are kept on CPU with "
+            "executorch's kernel, which computes them wrong (docs/max_pool.md)",
+            max_pool.FORWARD_OP,
+            node.name,
+            decision.rejection.message(node.name) if decision.rejection else "op validation",
+        )
+    return False
+
+
 def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
     target: Target | None = getattr(checker, _TARGET_ATTR, None)
     if target is not None and _is_conv_bwd(node):
@@ -146,9 +181,16 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
             if not _nested_check.get():
                 logger.warning(trainable.message(node, refused))
             return False
+    if target is not None and max_pool.is_max_pool_with_indices(node):
+        return _judge_forward_pool(original, checker, target, node)
     if target is not None and max_pool.is_max_pool_backward(node):
         # The transform pass took the same decision (and logged it) and prepared the node.
         if not max_pool.decide(node, target, log=False).supported or _skipped(checker, node):
+            return False
+        if max_pool_backward.indices_from_htp(node) and not _would_delegate(
+            checker, target, node.args[pg.INDICES].args[0]
+        ):
+            # Its int64 indices would come from CPU with no cast (warned about there).
             return False
         if original(skip_node_id_set=set()):
             return True
@@ -222,6 +264,7 @@ def _hooks() -> integration.Hooks:
     from .builders import op_max_pool_backward
     from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
+    from .builders.op_max_pool_with_indices import define_max_pool
 
     hooks = integration.Hooks()
     hooks.visitor_targets = {
@@ -241,6 +284,7 @@ def _hooks() -> integration.Hooks:
     hooks.record_output_dtypes = record_output_dtypes
     hooks.preserve_output_dtypes = preserve_output_dtypes
     hooks.conv_define = define_convolution
+    hooks.pool_define = define_max_pool
     hooks.after_partition = _after_partition
     hooks.after_build = delegate_io.check_output_order
     return hooks

@@ -92,6 +92,12 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.builders.qnn_constants", "OpElementWiseSelect", "QNN op names (max pool backward)"),
     (f"{_QC}.builders.qnn_constants", "OpScatterElements", "QNN op/param names (max pool)"),
     (f"{_QC}.builders.qnn_constants", "OpConcat", "QNN op/param names (max pool phases)"),
+    (f"{_QC}.builders.qnn_constants", "OpPoolMax2d", "QNN op/param names (forward max pool)"),
+    (
+        f"{_QC}.builders.qnn_constants",
+        "OpElementWiseMaximum",
+        "QNN op names (dilated forward max pool)",
+    ),
     (f"{_QC}._passes", "RemoveRedundancy", "pass ordering"),
     (f"{_QC}._passes", "ResolveDebugHandle", "pass ordering"),
     (f"{_QC}._passes.i64_to_i32", "I64toI32._record_original_output_dtype", "patched"),
@@ -276,6 +282,8 @@ class Hooks:
     # (original, visitor, node, nodes_to_wrappers) -> op wrapper(s); ``original()``
     # runs executorch's own define_node. None: executorch's visitor as it is.
     conv_define: Callable[[Callable[[], Any], Any, Any, Any], Any] | None = None
+    # The same for the forward max pool with indices (POOL_TARGET).
+    pool_define: Callable[[Callable[[], Any], Any, Any, Any], Any] | None = None
     # Called after QnnPartitioner.partition has tagged the program (edge_program).
     after_partition: Callable[[Any], None] | None = None
     # Called with (edge_program, graph output names in QNN's order) after executorch
@@ -283,22 +291,24 @@ class Hooks:
     after_build: Callable[[Any, list[str]], None] | None = None
 
 
-# executorch's visitor of the forward convolution, wrapped when conv_define is set.
+# executorch's visitors of the forward convolution and max pool, wrapped when
+# conv_define / pool_define are set.
 CONV_TARGET = "aten.convolution.default"
+POOL_TARGET = "aten.max_pool2d_with_indices.default"
 
 
 def _with_define(base: type, define: Callable[[Callable[[], Any], Any, Any, Any], Any]) -> type:
-    """Subclass of executorch's convolution visitor whose define_node is ``define``."""
+    """Subclass of executorch's visitor ``base`` whose define_node is ``define``."""
 
-    class Convolution(base):
+    class Wrapped(base):
         def define_node(self, node, nodes_to_wrappers):
             def original():
                 return base.define_node(self, node, nodes_to_wrappers)
 
             return define(original, self, node, nodes_to_wrappers)
 
-    Convolution.__name__ = Convolution.__qualname__ = f"{base.__name__}ForQnnConvBwd"
-    return Convolution
+    Wrapped.__name__ = Wrapped.__qualname__ = f"{base.__name__}ForQnnConvBwd"
+    return Wrapped
 
 
 @contextlib.contextmanager
@@ -321,12 +331,14 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
     for target, cls in hooks.visitor_targets.items():
         p.dict_item(visitors, target, cls)
 
-    if hooks.conv_define is not None:
-        if CONV_TARGET not in visitors:
+    for wrapped, define in ((CONV_TARGET, hooks.conv_define), (POOL_TARGET, hooks.pool_define)):
+        if define is None:
+            continue
+        if wrapped not in visitors:
             raise ExecutorchIntegrationError(
-                f"executorch {executorch_version()} registers no visitor for {CONV_TARGET}"
+                f"executorch {executorch_version()} registers no visitor for {wrapped}"
             )
-        p.dict_item(visitors, CONV_TARGET, _with_define(visitors[CONV_TARGET], hooks.conv_define))
+        p.dict_item(visitors, wrapped, _with_define(visitors[wrapped], define))
 
     sensitive = get("LayoutTransform.layout_sensitive_ops")
     for op in hooks.layout_sensitive_ops:

@@ -59,7 +59,11 @@ def skip_name(node: torch.fx.Node) -> str:
 
 def _remember_names(graph: torch.fx.Graph) -> None:
     ops = integration.get("ops").edge.aten
-    targets = (ops.convolution_backward.default, ops.max_pool2d_with_indices_backward.default)
+    targets = (
+        ops.convolution_backward.default,
+        ops.max_pool2d_with_indices_backward.default,
+        ops.max_pool2d_with_indices.default,
+    )
     for node in graph.nodes:
         if node.op == "call_function" and node.target in targets:
             node.meta.setdefault(NAME_SEEN, node.name)

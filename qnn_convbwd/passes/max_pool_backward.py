@@ -3,9 +3,13 @@
 A node the support rules (``partition.max_pool``) delegate gets, before
 partitioning:
 
-* its indices cast to int32 by a ``_to_dim_order_copy`` that stays on CPU (``ON_CPU``):
-  QNN has no int64, and the forward that produces them stays on CPU (executorch's
-  max pool visitor refuses a pool whose indices are used);
+* when its forward pool goes to the HTP with its indices (``partition.max_pool.
+  decide_forward``: every user of the indices is a delegated backward), the forward
+  is marked ``INDICES_ON_HTP`` and its plugin visitor makes the indices int32 inside
+  the delegate;
+* otherwise its indices cast to int32 by a ``_to_dim_order_copy`` that stays on CPU
+  (``ON_CPU``): QNN has no int64, and the forward that produces them stays on CPU
+  (executorch's max pool visitor refuses a pool whose indices are used);
 * its input, read only for its shape, replaced by a static-shape ``full``
   (``SHAPE_OF``, see ``shape_only_operands.py``);
 * ``INDEX_PLANE``: the plane its indices count in (``pool_geometry.index_plane``).
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Callable
 
 import torch
@@ -44,6 +49,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from .. import integration
 from ..builders import pool_geometry as pg
 from ..builders.op_max_pool_backward import INDEX_PLANE
+from ..builders.op_max_pool_with_indices import INDICES_ON_HTP
 from ..partition import max_pool
 from ..partition.target import Target
 from .conv1d import ON_CPU
@@ -194,7 +200,7 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
     indices = node.args[pg.INDICES]
     source = node.args[pg.INPUT]
     with graph.inserting_before(node):
-        if indices.meta["val"].dtype != torch.int32:
+        if indices.meta["val"].dtype != torch.int32 and not indices_from_htp(node):
             cast = _call(
                 graph,
                 _int32_copy(),
@@ -219,8 +225,46 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
             node.replace_input_with(source, full)
 
 
+def indices_from_htp(node: torch.fx.Node) -> bool:
+    """The backward ``node`` reads the indices of a forward pool marked ``INDICES_ON_HTP``."""
+    indices = node.args[pg.INDICES]
+    return (
+        isinstance(indices, torch.fx.Node)
+        and indices.target == operator.getitem
+        and max_pool.is_max_pool_with_indices(indices.args[0])
+        and bool(indices.args[0].meta.get(INDICES_ON_HTP))
+    )
+
+
 def _pool_backward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if max_pool.is_max_pool_backward(n)]
+
+
+def mark_forward_pools(
+    graph_module: torch.fx.GraphModule,
+    target: Target,
+    kept_on_cpu: Callable[[torch.fx.Node], bool],
+) -> int:
+    """Mark ``INDICES_ON_HTP`` the forward pools whose indices go to the HTP; return how many.
+
+    Only pools whose indices are used; the decision (``decide_forward``) is logged
+    here, once.
+    """
+
+    def backward_delegated(backward: torch.fx.Node) -> bool:
+        return max_pool.decide(backward, target, log=False).supported and not kept_on_cpu(backward)
+
+    marked = 0
+    for node in graph_module.graph.nodes:
+        if not max_pool.is_max_pool_with_indices(node) or not max_pool.indices_users(node):
+            continue
+        decision = max_pool.decide_forward(node, target, backward_delegated)
+        if decision.supported and not kept_on_cpu(node):
+            node.meta[INDICES_ON_HTP] = True
+            marked += 1
+        else:
+            node.meta.pop(INDICES_ON_HTP, None)
+    return marked
 
 
 def rewrite(
@@ -232,7 +276,7 @@ def rewrite(
 
     ``kept_on_cpu(node)``: executorch's skip options keep the node on CPU.
     """
-    changed = 0
+    changed = mark_forward_pools(graph_module, target, kept_on_cpu)
     for node in _pool_backward_nodes(graph_module.graph):
         decision = max_pool.decide(node, target)
         if decision.supported and not kept_on_cpu(node):

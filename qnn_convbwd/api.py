@@ -15,14 +15,12 @@ import torch
 
 from . import delegate_io, integration, logs, options, signature
 from .builders import conv_geometry as geo
-from .builders import pool_geometry as pg
-from .builders.op_max_pool_with_indices import INDICES_ON_HTP
+from .builders.op_max_pool_with_indices import INDICES_CAST, INDICES_ON_HTP
 from .partition import cpu_kernel, max_pool, support, trainable
 from .partition.target import Target
 from .passes import (
     int64_constants,
     layout,
-    max_pool_backward,
     preserve_output_dtypes,
     record_output_dtypes,
 )
@@ -39,6 +37,7 @@ _state_lock = threading.Lock()
 _decisions: dict[str, support.Decision] = {}
 _TARGET_ATTR = "_qnn_convbwd_target"
 _SKIP_ATTR = "_qnn_convbwd_skip"
+_MEMO_ATTR = "_qnn_convbwd_nested_verdicts"
 # True while a node's users are checked on its behalf (their rejections are not logged twice).
 _nested_check: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "qnn_convbwd_nested_check", default=False
@@ -111,11 +110,15 @@ def _would_delegate(checker, target: Target, node: torch.fx.Node) -> bool:
     """
     if _is_conv_bwd(node):
         return support.decide(node, target, log=False).supported and not _skipped(checker, node)
-    token = _nested_check.set(True)  # the node logs its own verdict when visited
-    try:
-        return checker.is_node_supported(None, node)
-    finally:
-        _nested_check.reset(token)
+    # Remembered per checker: a forward pool asks about every node up to its backward.
+    memo = checker.__dict__.setdefault(_MEMO_ATTR, {})
+    if node not in memo:
+        token = _nested_check.set(True)  # the node logs its own verdict when visited
+        try:
+            memo[node] = checker.is_node_supported(None, node)
+        finally:
+            _nested_check.reset(token)
+    return memo[node]
 
 
 def _judge_conv_bwd(original, checker, target: Target, node: torch.fx.Node) -> bool:
@@ -153,7 +156,10 @@ def _judge_forward_pool(original, checker, target: Target, node: torch.fx.Node) 
             checker, backward
         )
 
-    decision = max_pool.decide_forward(node, target, backward_delegated, log=False)
+    def delegated(other: torch.fx.Node) -> bool:
+        return _would_delegate(checker, target, other)
+
+    decision = max_pool.decide_forward(node, target, backward_delegated, delegated, log=False)
     if decision.supported and not _skipped(checker, node) and original(skip_node_id_set=set()):
         return True
     if not _nested_check.get():
@@ -183,14 +189,13 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
             return False
     if target is not None and max_pool.is_max_pool_with_indices(node):
         return _judge_forward_pool(original, checker, target, node)
+    if target is not None and node.meta.get(INDICES_CAST):
+        # The int32 cast of a forward pool's indices goes where the forward goes.
+        forward = node.args[0].args[0]
+        return _would_delegate(checker, target, forward) and original()
     if target is not None and max_pool.is_max_pool_backward(node):
         # The transform pass took the same decision (and logged it) and prepared the node.
         if not max_pool.decide(node, target, log=False).supported or _skipped(checker, node):
-            return False
-        if max_pool_backward.indices_from_htp(node) and not _would_delegate(
-            checker, target, node.args[pg.INDICES].args[0]
-        ):
-            # Its int64 indices would come from CPU with no cast (warned about there).
             return False
         if original(skip_node_id_set=set()):
             return True
@@ -261,10 +266,9 @@ def _after_partition(edge_program) -> None:
 
 
 def _hooks() -> integration.Hooks:
-    from .builders import op_max_pool_backward
+    from .builders import op_max_pool_backward, op_max_pool_with_indices
     from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
-    from .builders.op_max_pool_with_indices import define_max_pool
 
     hooks = integration.Hooks()
     hooks.visitor_targets = {
@@ -284,7 +288,10 @@ def _hooks() -> integration.Hooks:
     hooks.record_output_dtypes = record_output_dtypes
     hooks.preserve_output_dtypes = preserve_output_dtypes
     hooks.conv_define = define_convolution
-    hooks.pool_define = define_max_pool
+    hooks.visitor_wraps = (
+        (op_max_pool_with_indices.TARGET, op_max_pool_with_indices.define_max_pool),
+        (op_max_pool_with_indices.CAST_TARGET, op_max_pool_with_indices.define_indices_cast),
+    )
     hooks.after_partition = _after_partition
     hooks.after_build = delegate_io.check_output_order
     return hooks

@@ -282,8 +282,8 @@ class Hooks:
     # (original, visitor, node, nodes_to_wrappers) -> op wrapper(s); ``original()``
     # runs executorch's own define_node. None: executorch's visitor as it is.
     conv_define: Callable[[Callable[[], Any], Any, Any, Any], Any] | None = None
-    # The same for the forward max pool with indices (POOL_TARGET).
-    pool_define: Callable[[Callable[[], Any], Any, Any, Any], Any] | None = None
+    # The same for other executorch visitors, by target (e.g. the forward max pool).
+    visitor_wraps: tuple[tuple[str, Callable[[Callable[[], Any], Any, Any, Any], Any]], ...] = ()
     # Called after QnnPartitioner.partition has tagged the program (edge_program).
     after_partition: Callable[[Any], None] | None = None
     # Called with (edge_program, graph output names in QNN's order) after executorch
@@ -291,10 +291,8 @@ class Hooks:
     after_build: Callable[[Any, list[str]], None] | None = None
 
 
-# executorch's visitors of the forward convolution and max pool, wrapped when
-# conv_define / pool_define are set.
+# executorch's visitor of the forward convolution, wrapped when conv_define is set.
 CONV_TARGET = "aten.convolution.default"
-POOL_TARGET = "aten.max_pool2d_with_indices.default"
 
 
 def _with_define(base: type, define: Callable[[Callable[[], Any], Any, Any, Any], Any]) -> type:
@@ -331,7 +329,7 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
     for target, cls in hooks.visitor_targets.items():
         p.dict_item(visitors, target, cls)
 
-    for wrapped, define in ((CONV_TARGET, hooks.conv_define), (POOL_TARGET, hooks.pool_define)):
+    for wrapped, define in ((CONV_TARGET, hooks.conv_define), *hooks.visitor_wraps):
         if define is None:
             continue
         if wrapped not in visitors:

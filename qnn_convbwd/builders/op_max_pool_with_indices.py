@@ -36,9 +36,13 @@ from . import qnn_ops
 from .op_max_pool_backward import window_table
 
 TARGET = "aten.max_pool2d_with_indices.default"
+CAST_TARGET = "dim_order_ops._to_dim_order_copy.default"  # executorch's visitor: op_to.py
 # Node meta key, set by passes/max_pool_backward.py on a forward pool whose indices
 # go to the HTP with every user (its backwards).
 INDICES_ON_HTP = "qnn_convbwd_pool_indices_on_htp"
+# Node meta key, set by passes/max_pool_backward.py on the int32 cast between such a
+# pool's indices and a backward: delegated with the forward, where it is an identity.
+INDICES_CAST = "qnn_convbwd_pool_indices_cast"
 # "pool_max" (default): PoolMax2d for the values where the pool is not dilated;
 # "maximum": the values as an ElementWiseMaximum chain over the slices (always).
 VALUES = "pool_max"
@@ -174,6 +178,21 @@ def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
         b.op(f"idx{number}_op", "OpElementWiseSelect", [mask, table(number), running], [out])
         running = out
     return b.ops
+
+
+def define_indices_cast(original, visitor, node: torch.fx.Node, nodes_to_wrappers):
+    """An ``INDICES_CAST``: the forward's indices are int32 in QNN already, so a Reshape
+    to the same shape (executorch's Cast visitor would read them as int64)."""
+    if not node.meta.get(INDICES_CAST):
+        return original()
+    native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
+    source_node = visitor.get_node(node.args[0])
+    value = visitor.get_tensor(source_node, node).to(torch.int32)
+    source = visitor.define_tensor(source_node, node, value, native, nodes_to_wrappers)
+    result = visitor.define_tensor(
+        node, node, visitor.get_tensor(node, node), native, nodes_to_wrappers
+    )
+    return qnn_ops.reshape(f"{node.name}_identity", source, result)
 
 
 def define_max_pool(original, visitor, node: torch.fx.Node, nodes_to_wrappers):

@@ -27,6 +27,7 @@ import torch
 
 from .. import integration
 from ..builders import pool_geometry as pg
+from ..builders.op_max_pool_with_indices import INDICES_CAST
 from .target import Target
 from .verdict import Rejection
 
@@ -187,12 +188,47 @@ FORWARD_RULES: list[tuple[str, Rule]] = [
 ]
 
 
+def between(source: torch.fx.Node, sink: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes on some path from ``source`` to ``sink`` (both excluded), in graph order."""
+    ancestors: set[torch.fx.Node] = set()
+    stack = list(sink.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in ancestors:
+            ancestors.add(current)
+            stack.extend(current.all_input_nodes)
+    found: set[torch.fx.Node] = set()
+    stack = list(source.users)
+    while stack:
+        current = stack.pop()
+        if current in ancestors and current not in found:
+            found.add(current)
+            stack.extend(current.users)
+    return [n for n in sink.graph.nodes if n in found]
+
+
+def _decided_with_forward(node: torch.fx.Node, forward: torch.fx.Node) -> bool:
+    """The forward's getitems and the int32 cast of its indices follow the forward."""
+    if node.op == "call_function" and node.target == operator.getitem:
+        return node.args[0] is forward
+    return bool(node.meta.get(INDICES_CAST))
+
+
 def indices_users_delegated(
-    node: torch.fx.Node, backward_delegated: Callable[[torch.fx.Node], bool]
+    node: torch.fx.Node,
+    backward_delegated: Callable[[torch.fx.Node], bool],
+    delegated: Callable[[torch.fx.Node], bool] | None = None,
 ) -> Rejection | None:
     """Every user of the indices is a max pool backward reading them as its indices,
-    delegated (``backward_delegated``): int32 indices must not reach a CPU op."""
+    delegated (``backward_delegated``): int32 indices must not reach a CPU op.
+
+    With ``delegated`` (the partitioner's verdict on any node), also every op on a
+    path from the pool to its backward: one on CPU would put the two in different
+    delegates, and the indices would cross between them as int64 tensors.
+    """
     users = indices_users(node)
+    if users and all(u.meta.get(INDICES_CAST) for u in users):
+        users = [b for cast in users for b in cast.users]
     if not users:
         return Rejection("", "indices unused", "", op=FORWARD_OP)
     for user in users:
@@ -211,6 +247,20 @@ def indices_users_delegated(
                 f"backward={user.name}",
                 op=FORWARD_OP,
             )
+    if delegated is None:
+        return None
+    for user in users:
+        for other in between(node, user):
+            if other.op == "call_function" and not _decided_with_forward(other, node):
+                if not delegated(other):
+                    kind = getattr(other.target, "__name__", str(other.target))
+                    return Rejection(
+                        "",
+                        "an op on CPU between the pool and its backward would put them in "
+                        "different delegates",
+                        f"{other.name}: {kind}, backward={user.name}",
+                        op=FORWARD_OP,
+                    )
     return None
 
 
@@ -218,9 +268,11 @@ def decide_forward(
     node: torch.fx.Node,
     target: Target,
     backward_delegated: Callable[[torch.fx.Node], bool],
+    delegated: Callable[[torch.fx.Node], bool] | None = None,
     log: bool = True,
 ) -> Decision:
-    """Whether the plugin delegates the forward pool ``node`` with its indices."""
+    """Whether the plugin delegates the forward pool ``node`` with its indices
+    (``indices_users_delegated`` for the two callables)."""
     rejection = None
     try:
         pool = pg.parse_forward(node)
@@ -233,7 +285,7 @@ def decide_forward(
                 rejection = dataclasses.replace(found, rule=name, op=FORWARD_OP)
                 break
     if rejection is None and pool is not None:
-        found = indices_users_delegated(node, backward_delegated)
+        found = indices_users_delegated(node, backward_delegated, delegated)
         if found is not None:
             rejection = dataclasses.replace(found, rule="indices_users_delegated")
     if rejection is not None and log:

@@ -3,13 +3,13 @@
 A node the support rules (``partition.max_pool``) delegate gets, before
 partitioning:
 
-* when its forward pool goes to the HTP with its indices (``partition.max_pool.
+* its indices cast to int32 by a ``_to_dim_order_copy``: QNN has no int64. When
+  its forward pool may go to the HTP with its indices (``partition.max_pool.
   decide_forward``: every user of the indices is a delegated backward), the forward
-  is marked ``INDICES_ON_HTP`` and its plugin visitor makes the indices int32 inside
-  the delegate;
-* otherwise its indices cast to int32 by a ``_to_dim_order_copy`` that stays on CPU
-  (``ON_CPU``): QNN has no int64, and the forward that produces them stays on CPU
-  (executorch's max pool visitor refuses a pool whose indices are used);
+  is marked ``INDICES_ON_HTP`` and the cast ``INDICES_CAST``: the partitioner
+  delegates both or neither (the forward's plugin visitor makes the indices int32,
+  the cast is then an identity). Otherwise the cast stays on CPU (``ON_CPU``), with
+  the forward (executorch's max pool visitor refuses a pool whose indices are used);
 * its input, read only for its shape, replaced by a static-shape ``full``
   (``SHAPE_OF``, see ``shape_only_operands.py``);
 * ``INDEX_PLANE``: the plane its indices count in (``pool_geometry.index_plane``).
@@ -49,7 +49,7 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 from .. import integration
 from ..builders import pool_geometry as pg
 from ..builders.op_max_pool_backward import INDEX_PLANE
-from ..builders.op_max_pool_with_indices import INDICES_ON_HTP
+from ..builders.op_max_pool_with_indices import INDICES_CAST, INDICES_ON_HTP
 from ..partition import max_pool
 from ..partition.target import Target
 from .conv1d import ON_CPU
@@ -200,7 +200,8 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
     indices = node.args[pg.INDICES]
     source = node.args[pg.INPUT]
     with graph.inserting_before(node):
-        if indices.meta["val"].dtype != torch.int32 and not indices_from_htp(node):
+        if indices.meta["val"].dtype != torch.int32:
+            from_htp = indices_from_htp(node)
             cast = _call(
                 graph,
                 _int32_copy(),
@@ -208,8 +209,12 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
                 {"dtype": torch.int32},
                 f"{node.name}_indices_int32",
                 mode,
-                node.name,
+                None if from_htp else node.name,
             )
+            if from_htp:
+                # Delegated with the forward (an identity there: its indices are int32
+                # in QNN already), or on CPU when the partitioner keeps the forward there.
+                cast.meta[INDICES_CAST] = True
             node.replace_input_with(indices, cast)
         if source.target != ops.full.default:
             full = _call(
@@ -226,8 +231,11 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
 
 
 def indices_from_htp(node: torch.fx.Node) -> bool:
-    """The backward ``node`` reads the indices of a forward pool marked ``INDICES_ON_HTP``."""
+    """The backward ``node`` reads the indices of a forward pool marked ``INDICES_ON_HTP``
+    (directly, or through its ``INDICES_CAST``)."""
     indices = node.args[pg.INDICES]
+    if isinstance(indices, torch.fx.Node) and indices.meta.get(INDICES_CAST):
+        indices = indices.args[0]
     return (
         isinstance(indices, torch.fx.Node)
         and indices.target == operator.getitem

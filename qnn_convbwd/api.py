@@ -263,6 +263,26 @@ def _after_partition(edge_program) -> None:
         del node.meta["delegation_tag"]
         logger.debug("%s: trainable, kept as a delegate input", node.name)
     int64_constants.restore_cpu_constant_dtypes(edge_program)
+    _check_pool_indices_stay_inside(edge_program)
+
+
+def _check_pool_indices_stay_inside(edge_program) -> None:
+    """A forward pool delegated with its indices must share its delegate with every
+    reader of them: they are int32 in QNN but int64 in the program, so crossing
+    between delegates would hand one delegate's int32 bytes to an int64 tensor.
+    The partition rule makes this so; this is the check that it did."""
+    for node in edge_program.graph.nodes:
+        if not node.meta.get(INDICES_ON_HTP) or "delegation_tag" not in node.meta:
+            continue
+        tag = node.meta["delegation_tag"]
+        for user in max_pool.indices_users(node):
+            if user.meta.get("delegation_tag") != tag:
+                raise RuntimeError(
+                    f"{max_pool.FORWARD_OP} {node.name}: delegated with its indices in "
+                    f"{tag}, but {user.name} reads them in "
+                    f"{user.meta.get('delegation_tag', 'the CPU program')}: the int32 "
+                    "indices would cross delegates as int64 (report this graph)"
+                )
 
 
 def _hooks() -> integration.Hooks:

@@ -7,6 +7,8 @@ Rewrites, in this order:
    the delegate's outputs in the order of its signature;
 0. ``int64_constants.narrow_int64_scalar_tensors``: int64 scalar constants of
    the integer tails (cross-entropy targets) become int32 like the rest;
+0. ``full_reductions``: int64 constants compared with integer tensors get an
+   int32 spec, and sums over every dim name their dims (a loss tail QNN takes);
 0. ``conv1d.unbake_trainable_weights``: forward 1-D convolutions read their
    trainable weight, not the frozen copy executorch's CanonicalizeConv made;
 1. ``conv1d.lift_conv1d``: 1-D nodes become 2-D nodes with a unit height, those
@@ -38,6 +40,7 @@ from ..partition.target import Target
 from . import max_pool_backward
 from .consecutive_permutes import fold_consecutive_permutes
 from .conv1d import ON_CPU, lift_conv1d, unbake_trainable_weights
+from .full_reductions import explicit_full_reductions, narrow_int64_comparison_constants
 from .int64_constants import narrow_int64_scalar_tensors
 from .shape_only_operands import replace_shape_only_operands
 from .split_gradients import split_input_gradient
@@ -113,6 +116,8 @@ class CanonicalizeConvolutionBackward(PassBase):
         delegated = self._delegated(target)
         changed = unbake_trainable_weights(graph_module, self.edge_program)
         changed += narrow_int64_scalar_tensors(graph_module)
+        changed += narrow_int64_comparison_constants(graph_module, self.edge_program)
+        changed += explicit_full_reductions(graph_module)
         changed += fold_consecutive_permutes(graph_module)
         changed += lift_conv1d(
             graph_module,

@@ -309,3 +309,85 @@ def _every_op_but_pools(program) -> set[str]:
     }
     names.add("aten.constant_pad_nd.default")  # made by RecomposePadMaxPool2d
     return names - {f"aten.{FORWARD}.default", f"aten.{BACKWARD}.default"}
+
+
+def test_cifar_training_graph_is_one_delegate_within_fidelity(qnn_sdk):
+    """ExecuTorch's CIFAR10Model with cross-entropy: three pools with their indices and
+    the loss tail (``full_reductions``) in one delegate; nothing left on CPU."""
+    from qnn_convbwd import api, fidelity, models
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd.train_cli import cpu_ops
+
+    case = models.cifar_case(trainable=True)
+    program = case.joint()
+    transformed = api.transformed(program, harness.compile_specs("SM8650"))
+    compared = [
+        a.meta["val"].dtype
+        for n in transformed.graph.nodes
+        if n.op == "call_function" and getattr(n.target, "__name__", "") == "aten.ne.Tensor"
+        for a in n.args
+    ]
+    assert compared and set(compared) == {torch.int32}  # ignore_index not turned float
+    compiled = harness.lower_program(program, "SM8650")
+    assert harness.delegate_count(compiled.edge) == 1
+    assert cpu_ops(compiled.edge) == []
+    outputs = compiled.run(list(case.inputs))
+    report = fidelity.assess_model(case.model, case.inputs, program, outputs)
+    assert report.within, report.to_markdown()
+
+
+class CrossEntropy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 10)
+
+    def forward(self, x, labels):
+        return nn.functional.cross_entropy(self.fc(x), labels)
+
+
+def _run_graph(program, inputs) -> list[torch.Tensor]:
+    """The program's graph on ``inputs``, its parameters and constants (flat outputs)."""
+    user_inputs = iter(inputs)
+    args = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind.name == "USER_INPUT":
+            args.append(next(user_inputs))
+        elif spec.kind.name == "PARAMETER":
+            args.append(program.state_dict[spec.target])
+        else:
+            args.append(program.constants[spec.target])
+    return list(torch.fx.Interpreter(program.graph_module).run(*args))
+
+
+def test_full_reductions_name_their_dims_and_keep_the_numbers():
+    """The rewrite on a cross-entropy joint graph: no sum over ``[]`` is left and the count
+    is summed in float; loss and gradients unchanged. (The ignore_index constant is a
+    lifted tensor only after executorch's QNN passes: see the CIFAR test.)"""
+    from executorch.exir import to_edge
+    from torch.export.experimental import _export_forward_backward
+
+    from qnn_convbwd.passes import full_reductions
+
+    torch.manual_seed(0)
+    model = CrossEntropy()
+    inputs = (torch.randn(4, 6), torch.tensor([1, -100, 3, 9]))
+
+    def edge_program():
+        joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
+        return to_edge(joint).exported_program()
+
+    def sums(graph):
+        return [
+            n
+            for n in graph.nodes
+            if n.op == "call_function" and "sum.dim_IntList" in getattr(n.target, "__name__", "")
+        ]
+
+    reference, edge = edge_program(), edge_program()
+    module = edge.graph_module
+    assert sum(not n.args[1] for n in sums(module.graph)) == 2  # the pattern is there
+    assert full_reductions.explicit_full_reductions(module) == 2
+    assert all(n.args[1] and n.args[2] for n in sums(module.graph))
+    assert all(n.args[0].meta["val"].is_floating_point() for n in sums(module.graph))
+    for got, want in zip(_run_graph(edge, inputs), _run_graph(reference, inputs), strict=True):
+        torch.testing.assert_close(got, want)

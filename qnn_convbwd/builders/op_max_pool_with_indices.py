@@ -48,15 +48,6 @@ INDICES_CAST = "qnn_convbwd_pool_indices_cast"
 VALUES = "pool_max"
 
 
-def _float_scalar_pad(name: str, source, result, amounts, value: float):
-    names = integration.get("OpPad")
-    pad = qnn_ops.new_op(name, names.op_name, [source], [result])
-    qnn_ops.uint32_scalar(pad, names.param_scheme, names.Scheme.CONSTANT)
-    qnn_ops.float_scalar(pad, names.param_pad_constant_value, value)
-    qnn_ops.uint32_param(pad, names.param_pad_amount, [list(a) for a in amounts])
-    return pad
-
-
 def window_extent(pool: pg.MaxPoolBackward) -> tuple[int, ...]:
     """Per dim, the padded extent the windows read: ``(out - 1) * s + (k - 1) * d + 1``."""
     return tuple((o - 1) * s + (k - 1) * d + 1 for _, o, k, s, _, d in pool.per_dim())
@@ -91,7 +82,7 @@ class _Builder:
             padded = self.tensor("canvas_pad", padded_sizes, dtype)
             amounts = [[0, 0], *zip(pool.padding, after), [0, 0]]
             self.ops.append(
-                _float_scalar_pad(self.name("canvas_pad_op"), source, padded, amounts, -np.inf)
+                qnn_ops.constant_pad(self.name("canvas_pad_op"), source, padded, amounts, -np.inf)
             )
             source = padded
         if list(padded_sizes) != list(extent):

@@ -15,8 +15,9 @@ import torch
 
 from . import delegate_io, integration, logs, nodes, options, signature
 from .geometry import conv as geo
+from .meta import INDICES_ON_HTP
 from .nodes import origins
-from .partition import cpu_kernel, judge
+from .partition import cpu_kernel, judge, max_pool
 from .partition.target import Target
 from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
 from .passes.batch_norm import StableBatchNorm
@@ -76,10 +77,30 @@ def _after_partition(edge_program) -> None:
         del node.meta["delegation_tag"]
         logger.debug("%s: trainable, kept as a delegate input", node.name)
     int64_constants.restore_cpu_constant_dtypes(edge_program)
+    _check_pool_indices_stay_inside(edge_program)
+
+
+def _check_pool_indices_stay_inside(edge_program) -> None:
+    """A forward pool delegated with its indices must share its delegate with every
+    reader of them: they are int32 in QNN but int64 in the program, so crossing
+    between delegates would hand one delegate's int32 bytes to an int64 tensor.
+    The partition rule makes this so; this is the check that it did."""
+    for node in edge_program.graph.nodes:
+        if not node.meta.get(INDICES_ON_HTP) or "delegation_tag" not in node.meta:
+            continue
+        tag = node.meta["delegation_tag"]
+        for user in max_pool.indices_users(node):
+            if user.meta.get("delegation_tag") != tag:
+                raise RuntimeError(
+                    f"{max_pool.FORWARD_OP} {node.name}: delegated with its indices in "
+                    f"{tag}, but {user.name} reads them in "
+                    f"{user.meta.get('delegation_tag', 'the CPU program')}: the int32 "
+                    "indices would cross delegates as int64 (report this graph)"
+                )
 
 
 def _hooks() -> integration.Hooks:
-    from .builders import op_max_pool_backward
+    from .builders import op_max_pool_backward, op_max_pool_with_indices
     from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
 
@@ -101,6 +122,10 @@ def _hooks() -> integration.Hooks:
     hooks.record_output_dtypes = record_output_dtypes
     hooks.preserve_output_dtypes = preserve_output_dtypes
     hooks.conv_define = define_convolution
+    hooks.visitor_wraps = (
+        (op_max_pool_with_indices.TARGET, op_max_pool_with_indices.define_max_pool),
+        (op_max_pool_with_indices.CAST_TARGET, op_max_pool_with_indices.define_indices_cast),
+    )
     hooks.after_partition = _after_partition
     hooks.after_build = delegate_io.check_output_order
     return hooks

@@ -96,6 +96,12 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.builders.qnn_constants", "OpElementWiseSelect", "QNN op names (max pool backward)"),
     (f"{_QC}.builders.qnn_constants", "OpScatterElements", "QNN op/param names (max pool)"),
     (f"{_QC}.builders.qnn_constants", "OpConcat", "QNN op/param names (max pool phases)"),
+    (f"{_QC}.builders.qnn_constants", "OpPoolMax2d", "QNN op/param names (forward max pool)"),
+    (
+        f"{_QC}.builders.qnn_constants",
+        "OpElementWiseMaximum",
+        "QNN op names (dilated forward max pool)",
+    ),
     (f"{_QC}._passes", "RemoveRedundancy", "pass ordering"),
     (f"{_QC}._passes", "ResolveDebugHandle", "pass ordering"),
     (f"{_QC}._passes.i64_to_i32", "I64toI32._record_original_output_dtype", "patched"),
@@ -285,6 +291,8 @@ class Hooks:
     # (original, visitor, node, nodes_to_wrappers) -> op wrapper(s); ``original()``
     # runs executorch's own define_node. None: executorch's visitor as it is.
     conv_define: Callable[[Callable[[], Any], Any, Any, Any], Any] | None = None
+    # The same for other executorch visitors, by target (e.g. the forward max pool).
+    visitor_wraps: tuple[tuple[str, Callable[[Callable[[], Any], Any, Any, Any], Any]], ...] = ()
     # Called after QnnPartitioner.partition has tagged the program (edge_program).
     after_partition: Callable[[Any], None] | None = None
     # Called with (edge_program, graph output names in QNN's order) after executorch
@@ -297,17 +305,17 @@ CONV_TARGET = "aten.convolution.default"
 
 
 def _with_define(base: type, define: Callable[[Callable[[], Any], Any, Any, Any], Any]) -> type:
-    """Subclass of executorch's convolution visitor whose define_node is ``define``."""
+    """Subclass of executorch's visitor ``base`` whose define_node is ``define``."""
 
-    class Convolution(base):
+    class Wrapped(base):
         def define_node(self, node, nodes_to_wrappers):
             def original():
                 return base.define_node(self, node, nodes_to_wrappers)
 
             return define(original, self, node, nodes_to_wrappers)
 
-    Convolution.__name__ = Convolution.__qualname__ = f"{base.__name__}ForQnnConvBwd"
-    return Convolution
+    Wrapped.__name__ = Wrapped.__qualname__ = f"{base.__name__}ForQnnConvBwd"
+    return Wrapped
 
 
 @contextlib.contextmanager
@@ -330,12 +338,14 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
     for target, cls in hooks.visitor_targets.items():
         p.dict_item(visitors, target, cls)
 
-    if hooks.conv_define is not None:
-        if CONV_TARGET not in visitors:
+    for wrapped, define in ((CONV_TARGET, hooks.conv_define), *hooks.visitor_wraps):
+        if define is None:
+            continue
+        if wrapped not in visitors:
             raise ExecutorchIntegrationError(
-                f"executorch {executorch_version()} registers no visitor for {CONV_TARGET}"
+                f"executorch {executorch_version()} registers no visitor for {wrapped}"
             )
-        p.dict_item(visitors, CONV_TARGET, _with_define(visitors[CONV_TARGET], hooks.conv_define))
+        p.dict_item(visitors, wrapped, _with_define(visitors[wrapped], define))
 
     sensitive = get("LayoutTransform.layout_sensitive_ops")
     for op in hooks.layout_sensitive_ops:

@@ -42,4 +42,22 @@ INDEX_PLANE = "qnn_convbwd_index_plane"
 # (passes/tuple_outputs.py).
 TUPLE_DTYPES = "qnn_convbwd_tuple_dtypes"
 
-ALL = (NAME_SEEN, PINNED, ON_CPU, SHAPE_OF, UNSCALE, INDEX_PLANE, TUPLE_DTYPES)
+# Set by passes/max_pool_backward.py on a forward max_pool2d_with_indices whose
+# indices go to the HTP with every user (its backwards).
+INDICES_ON_HTP = "qnn_convbwd_pool_indices_on_htp"
+
+# Set by passes/max_pool_backward.py on the int32 cast between such a pool's indices
+# and a backward: delegated with the forward, where it is an identity.
+INDICES_CAST = "qnn_convbwd_pool_indices_cast"
+
+ALL = (
+    NAME_SEEN,
+    PINNED,
+    ON_CPU,
+    SHAPE_OF,
+    UNSCALE,
+    INDEX_PLANE,
+    TUPLE_DTYPES,
+    INDICES_ON_HTP,
+    INDICES_CAST,
+)

@@ -40,6 +40,11 @@ def is_max_pool_backward(node: object) -> bool:
     return is_call(node, _edge_aten().max_pool2d_with_indices_backward.default)
 
 
+def is_max_pool_with_indices(node: object) -> bool:
+    """An edge-dialect forward ``max_pool2d_with_indices``."""
+    return is_call(node, _edge_aten().max_pool2d_with_indices.default)
+
+
 def is_getitem_of(node: object, predicate) -> bool:
     return (
         is_call(node, operator.getitem)

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import zoo  # noqa: E402
 
-from qnn_convbwd import fidelity  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
+from qnn_convbwd.tools import fidelity  # noqa: E402
 from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
 
 

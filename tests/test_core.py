@@ -76,9 +76,7 @@ def test_enable_is_idempotent_and_disable_restores_executorch_exactly():
     )
 
 
-def test_enable_reports_its_side_effects_and_disable_reverts_the_environment(
-    monkeypatch, caplog
-):
+def test_enable_reports_its_side_effects_and_disable_reverts_the_environment(monkeypatch, caplog):
     """enable() says what it did in one INFO line and a record; disable() puts the
     environment variables it set back (here: unset QNN_SDK_ROOT, a sentinel path)."""
     import logging

@@ -243,6 +243,26 @@ def _constant():
     return node, context, None
 
 
+@reaches(GRAPH, "indices_cast_follows_its_pool")
+def _indices_cast():
+    program = _ops_program()
+    # Any node two calls below another stands for the cast of a pool's indices (getitem).
+    node = next(
+        n
+        for n in program.graph.nodes
+        if n.op == "call_function"
+        and n.args
+        and isinstance(n.args[0], torch.fx.Node)
+        and n.args[0].op == "call_function"
+        and n.args[0].args
+        and isinstance(n.args[0].args[0], torch.fx.Node)
+        and n.args[0].args[0].op == "call_function"
+    )
+    node.meta[meta.INDICES_CAST] = True
+    forward = node.args[0].args[0]  # kept on CPU by the skip options
+    return node, judge.Context(htp(program), skip_ids=frozenset({forward.name})), None
+
+
 @reaches(GRAPH, "follows_its_producer")
 def _getitem():
     node, context = _conv_case("transposed")

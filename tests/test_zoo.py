@@ -38,5 +38,6 @@ def _check(arch: str, delegates: int, convolution_backwards: int) -> None:
 
 
 def test_resnet18_bias_only_within_fidelity(qnn_sdk):
-    # 2 delegates: the forward max_pool2d_with_indices stays on CPU between them.
-    _check("resnet18", delegates=2, convolution_backwards=19)
+    # 1 delegate: the forward max pool goes to the HTP with its indices (docs/max_pool.md);
+    # the MSE loss's mean, an output no gradient depends on, stays on CPU.
+    _check("resnet18", delegates=1, convolution_backwards=19)

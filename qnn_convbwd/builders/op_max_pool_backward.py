@@ -257,6 +257,10 @@ class MaxPoolBackwardVisitor(NodeVisitor):
         def operand(index: int):
             source = self.get_node(node.args[index])
             value = self.get_tensor(source, node)  # NHWC after the layout transform
+            if index == pg.INDICES and value.dtype == torch.int64:
+                # Indices of a forward pool delegated with them: the forward's visitor
+                # (op_max_pool_with_indices) makes them int32, under the same name.
+                value = value.to(torch.int32)
             return self.define_tensor(source, node, value, native, nodes_to_wrappers)
 
         grad_output, indices = operand(pg.GRAD_OUTPUT), operand(pg.INDICES)

@@ -78,14 +78,19 @@ def declared_tensor(
     )
 
 
-def _zero_pad(name: str, source, result, amounts: Sequence[Sequence[int]]):
-    """Pad op with zeros; ``amounts`` holds ``[before, after]`` for every axis."""
+def constant_pad(name: str, source, result, amounts: Sequence[Sequence[int]], value: float):
+    """Pad op with ``value``; ``amounts`` holds ``[before, after]`` for every axis."""
     names = integration.get("OpPad")
     pad = new_op(name, names.op_name, [source], [result])
     uint32_scalar(pad, names.param_scheme, names.Scheme.CONSTANT)
-    float_scalar(pad, names.param_pad_constant_value, 0.0)
+    float_scalar(pad, names.param_pad_constant_value, value)
     uint32_param(pad, names.param_pad_amount, [list(a) for a in amounts])
     return pad
+
+
+def _zero_pad(name: str, source, result, amounts: Sequence[Sequence[int]]):
+    """Pad op with zeros; ``amounts`` holds ``[before, after]`` for every axis."""
+    return constant_pad(name, source, result, amounts, 0.0)
 
 
 def zero_pad(name: str, source, result, amounts: Sequence[Sequence[int]]):

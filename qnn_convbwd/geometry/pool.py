@@ -171,6 +171,58 @@ def parse(node: torch.fx.Node) -> MaxPoolBackward:
     )
 
 
+# Argument positions of the forward ``max_pool2d_with_indices(self, kernel_size, stride=[],
+# padding=0, dilation=1, ceil_mode=False)`` (same schema file).
+F_INPUT, F_KERNEL, F_STRIDE, F_PADDING, F_DILATION, F_CEIL_MODE = range(6)
+VALUES, INDICES_OUTPUT = 0, 1  # getitem positions of the forward's outputs
+
+
+def parse_forward(node: torch.fx.Node) -> MaxPoolBackward:
+    """The window geometry of a forward ``max_pool2d_with_indices``: the same
+    ``MaxPoolBackward`` its backward would be (``grad_output_shape`` = the values')."""
+    args = list(node.args)
+    if not 2 <= len(args) <= F_CEIL_MODE + 1:
+        raise PoolArgumentError(f"{len(args)} arguments, the schema has {F_CEIL_MODE + 1}")
+    source = args[F_INPUT].meta["val"]
+    if source.dim() != SPATIAL_DIMS + 2:
+        raise PoolArgumentError(f"input of rank {source.dim()}, expected 4 (NCHW)")
+
+    def arg(position, default):
+        return args[position] if len(args) > position else default
+
+    kernel = _per_dim("kernel_size", args[F_KERNEL], ())
+    stride = _per_dim("stride", arg(F_STRIDE, ()), kernel)
+    padding = _per_dim("padding", arg(F_PADDING, (0,)), (0,))
+    dilation = _per_dim("dilation", arg(F_DILATION, (1,)), (1,))
+    ceil_mode = bool(arg(F_CEIL_MODE, False))
+    input_shape = _static(source.shape)
+    # From the arguments, not the node's meta: executorch's RecomposePadMaxPool2d
+    # leaves the recomposed pool's meta wrong until a later pass retraces it.
+    out = tuple(
+        pooled_size(*per_dim, ceil_mode)
+        for per_dim in zip(input_shape[2:], kernel, stride, padding, dilation)
+    )
+    return MaxPoolBackward(
+        grad_output_shape=(*input_shape[:2], *out),
+        input_shape=input_shape,
+        kernel=kernel,
+        stride=stride,
+        padding=padding,
+        dilation=dilation,
+        ceil_mode=ceil_mode,
+        dtype=source.dtype,
+    )
+
+
+def pooled_size(i: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    """torch's output size of one pooled dim (``pooling_output_shape`` in ATen)."""
+    span = i + 2 * p - d * (k - 1) - 1
+    out = (span + (s - 1 if ceil_mode else 0)) // s + 1
+    if ceil_mode and (out - 1) * s >= i + p:
+        out -= 1  # the last window must start inside the input or its left padding
+    return out
+
+
 def _is_call(node, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 

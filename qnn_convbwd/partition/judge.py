@@ -32,7 +32,7 @@ import torch
 
 from .. import integration, nodes
 from ..geometry import conv as geo
-from ..meta import NAME_SEEN, ON_CPU, SHAPE_OF, UNSCALE
+from ..meta import INDICES_CAST, INDICES_ON_HTP, NAME_SEEN, ON_CPU, SHAPE_OF, UNSCALE
 from ..nodes import origins
 from . import cpu_kernel, max_pool, support, trainable
 from .target import Target
@@ -56,11 +56,17 @@ class Context:
     # The verdict on another node (a constant's consumers, a getitem's producer);
     # None: ``judge`` on it, quietly, without executorch's check.
     delegated: Callable[[torch.fx.Node], bool] | None = None
+    # Verdicts on other nodes, remembered for one partitioning (a forward max pool asks
+    # about every node between it and its backward).
+    memo: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def other_delegated(self, node: torch.fx.Node) -> bool:
-        if self.delegated is not None:
-            return self.delegated(node)
-        return judge(node, self, log=False).supported
+        if node not in self.memo:
+            if self.delegated is not None:
+                self.memo[node] = self.delegated(node)
+            else:
+                return judge(node, self, log=False).supported
+        return self.memo[node]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +94,8 @@ def op_name(node: torch.fx.Node) -> str:
         return "convolution_backward"
     if nodes.is_max_pool_backward(node):
         return max_pool.OP
+    if nodes.is_max_pool_with_indices(node):
+        return max_pool.FORWARD_OP
     return getattr(node.target, "__name__", str(node.target))
 
 
@@ -166,6 +174,18 @@ def constant_follows_consumers(node, context):
 
 
 @graph_rule
+def indices_cast_follows_its_pool(node, context):
+    """The int32 cast of a forward pool's indices (``meta.INDICES_CAST``) goes where the
+    pool goes: inside its delegate it is an identity."""
+    if not node.meta.get(INDICES_CAST):
+        return None
+    forward = node.args[0].args[0]
+    if context.other_delegated(forward):
+        return None
+    return _reject(node, "its forward max pool stays on CPU", forward.name)
+
+
+@graph_rule
 def follows_its_producer(node, context):
     """A getitem of a convolution_backward stays where its producer runs."""
     if not nodes.is_getitem_of(node, nodes.is_conv_bwd):
@@ -239,11 +259,24 @@ def _executorch_refusal(node: torch.fx.Node, context: Context, validated: bool) 
     return None
 
 
+def _forward_pool_rejection(node: torch.fx.Node, context: Context) -> Rejection | None:
+    """A forward pool the transform pass gave its indices (``meta.INDICES_ON_HTP``):
+    ``max_pool.decide_forward`` again, with the partitioner's view of the backwards and,
+    in the partitioner, of every op between them."""
+    between = context.other_delegated if context.delegated is not None else None
+    decision = max_pool.decide_forward(
+        node, context.target, context.other_delegated, between, log=False
+    )
+    return decision.rejection
+
+
 def _rules_rejection(node: torch.fx.Node, context: Context) -> Rejection | None:
     if nodes.is_conv_bwd(node):
         found = support.decide(node, context.target, log=False).rejection
     elif nodes.is_max_pool_backward(node):
         found = max_pool.decide(node, context.target, log=False).rejection
+    elif nodes.is_max_pool_with_indices(node) and node.meta.get(INDICES_ON_HTP):
+        found = _forward_pool_rejection(node, context)
     else:
         found = None
     if found is not None:
@@ -346,6 +379,15 @@ def _warn_about_consequences(node: torch.fx.Node, verdict: Verdict) -> None:
             return
         if why is not None:
             logger.warning(cpu_kernel.warning(node.name, why))
+    elif nodes.is_max_pool_with_indices(node) and node.meta.get(INDICES_ON_HTP):
+        logger.warning(
+            "%s %s: prepared for the HTP with its indices, then refused by the partitioner "
+            "(%s): its backwards read int64 indices from CPU and are kept on CPU with "
+            "executorch's kernel, which computes them wrong (docs/max_pool.md)",
+            max_pool.FORWARD_OP,
+            node.name,
+            verdict.reason,
+        )
     elif nodes.is_max_pool_backward(node) and verdict.rejection.rule == "backend_validation":
         logger.warning(
             "%s %s: rejected by the QNN backend's op validation on %s after it was "

@@ -1,35 +1,58 @@
-"""Every "can this max_pool2d_with_indices_backward go to QNN?" decision.
+"""Every "can this max pool go to QNN?" decision: the backward, and the forward's indices.
 
 Rules are small functions ``(node, pool, target) -> Rejection | None``, run in
 order; the first rejection is logged as one line::
 
     max_pool2d_with_indices_backward <node>: not delegated: <reason> (<values>)
+    max_pool2d_with_indices <node>: not delegated: <reason> (<values>)
 
-A node that stays on CPU is made right there by ``passes/max_pool_backward.py``.
+A backward that stays on CPU is made right there by ``passes/max_pool_backward.py``.
+
+A forward ``max_pool2d_with_indices`` whose indices are used is refused by
+executorch's visitor; ``decide_forward`` delegates it (the plugin's visitor
+computes the indices, ``builders/op_max_pool_with_indices.py``) only when every
+user of the indices is a backward that is delegated too: the int32 indices then
+never leave the delegate. Otherwise the forward stays on CPU, as without the
+plugin. A pool whose indices are unused is executorch's business alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Callable
 
 import torch
 
 from ..geometry import pool as pg
-from ..nodes import is_max_pool_backward  # noqa: F401 (its callers' name for it)
+from ..meta import INDICES_CAST
+from ..nodes import is_max_pool_backward, is_max_pool_with_indices  # noqa: F401 (callers' names)
 from .target import Target
 from .verdict import Rejection, rules
 
 logger = logging.getLogger(__name__)
 
 OP = "max_pool2d_with_indices_backward"
+FORWARD_OP = "max_pool2d_with_indices"
 # Measured with QAIRT 2.51 (docs/max_pool.md): V69 to V81 compile the window masks;
 # V68 cannot create the float ElementWiseSelect ("could not create op: q::Select.exe").
 MIN_HTP_ARCH = 69
 FLOAT_DTYPES = (torch.float32, torch.float16)
 # Window offsets become one Equal/Select/Pad/Add chain each: bound the graph size.
 MAX_WINDOW = 49
+
+
+def indices_users(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users of a forward pool's indices (of its getitem 1 nodes)."""
+    return [
+        user
+        for item in node.users
+        if item.op == "call_function"
+        and item.target == operator.getitem
+        and item.args[1] == pg.INDICES_OUTPUT
+        for user in item.users
+    ]
 
 
 def _rejection(rule: str, reason: str, values: str) -> Rejection:
@@ -92,13 +115,7 @@ def window_size(node, pool, target):
     return None
 
 
-def pooled_size(i: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
-    """torch's output size of one pooled dim (``pooling_output_shape`` in ATen)."""
-    span = i + 2 * p - d * (k - 1) - 1
-    out = (span + (s - 1 if ceil_mode else 0)) // s + 1
-    if ceil_mode and (out - 1) * s >= i + p:
-        out -= 1  # the last window must start inside the input or its left padding
-    return out
+pooled_size = pg.pooled_size  # torch's output size of one pooled dim
 
 
 @rule
@@ -129,6 +146,126 @@ def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:
             if found is not None:
                 rejection = dataclasses.replace(found, rule=name)
                 break
+    if rejection is not None and log:
+        logger.info(
+            rejection.message(node.name),
+            extra={"convbwd_node": node.name, "convbwd_rule": rejection.rule},
+        )
+    return Decision(node.name, pool, rejection)
+
+
+# --- the forward pool's indices ---------------------------------------------------------
+
+# The target rules of the backward hold for the forward's indices as they stand: the
+# indices are only delegated with a backward, which needs them.
+FORWARD_RULES: list[tuple[str, Rule]] = [
+    ("backend_is_htp", backend_is_htp),
+    ("htp_arch_supported", htp_arch_supported),
+    ("float_gradient", float_gradient),
+    ("window_size", window_size),
+]
+
+
+def between(source: torch.fx.Node, sink: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes on some path from ``source`` to ``sink`` (both excluded), in graph order."""
+    ancestors: set[torch.fx.Node] = set()
+    stack = list(sink.all_input_nodes)
+    while stack:
+        current = stack.pop()
+        if current not in ancestors:
+            ancestors.add(current)
+            stack.extend(current.all_input_nodes)
+    found: set[torch.fx.Node] = set()
+    stack = list(source.users)
+    while stack:
+        current = stack.pop()
+        if current in ancestors and current not in found:
+            found.add(current)
+            stack.extend(current.users)
+    return [n for n in sink.graph.nodes if n in found]
+
+
+def _decided_with_forward(node: torch.fx.Node, forward: torch.fx.Node) -> bool:
+    """The forward's getitems and the int32 cast of its indices follow the forward."""
+    if node.op == "call_function" and node.target == operator.getitem:
+        return node.args[0] is forward
+    return bool(node.meta.get(INDICES_CAST))
+
+
+def indices_users_delegated(
+    node: torch.fx.Node,
+    backward_delegated: Callable[[torch.fx.Node], bool],
+    delegated: Callable[[torch.fx.Node], bool] | None = None,
+) -> Rejection | None:
+    """Every user of the indices is a max pool backward reading them as its indices,
+    delegated (``backward_delegated``): int32 indices must not reach a CPU op.
+
+    With ``delegated`` (the partitioner's verdict on any node), also every op on a
+    path from the pool to its backward: one on CPU would put the two in different
+    delegates, and the indices would cross between them as int64 tensors.
+    """
+    users = indices_users(node)
+    if users and all(u.meta.get(INDICES_CAST) for u in users):
+        users = [b for cast in users for b in cast.users]
+    if not users:
+        return Rejection("", "indices unused", "", op=FORWARD_OP)
+    for user in users:
+        if not is_max_pool_backward(user) or user.args[pg.INDICES] is user.args[pg.INPUT]:
+            kind = getattr(user.target, "__name__", str(user.target))
+            return Rejection(
+                "",
+                "indices read by an op other than its backward",
+                f"{user.name}: {kind}",
+                op=FORWARD_OP,
+            )
+        if not backward_delegated(user):
+            return Rejection(
+                "",
+                "indices read by a backward that stays on CPU",
+                f"backward={user.name}",
+                op=FORWARD_OP,
+            )
+    if delegated is None:
+        return None
+    for user in users:
+        for other in between(node, user):
+            if other.op == "call_function" and not _decided_with_forward(other, node):
+                if not delegated(other):
+                    kind = getattr(other.target, "__name__", str(other.target))
+                    return Rejection(
+                        "",
+                        "an op on CPU between the pool and its backward would put them in "
+                        "different delegates",
+                        f"{other.name}: {kind}, backward={user.name}",
+                        op=FORWARD_OP,
+                    )
+    return None
+
+
+def decide_forward(
+    node: torch.fx.Node,
+    target: Target,
+    backward_delegated: Callable[[torch.fx.Node], bool],
+    delegated: Callable[[torch.fx.Node], bool] | None = None,
+    log: bool = True,
+) -> Decision:
+    """Whether the plugin delegates the forward pool ``node`` with its indices
+    (``indices_users_delegated`` for the two callables)."""
+    rejection = None
+    try:
+        pool = pg.parse_forward(node)
+    except pg.PoolArgumentError as err:
+        pool, rejection = None, Rejection("parse", "arguments not understood", str(err))
+    if pool is not None:
+        for name, fn in FORWARD_RULES:
+            found = fn(node, pool, target)
+            if found is not None:
+                rejection = dataclasses.replace(found, rule=name, op=FORWARD_OP)
+                break
+    if rejection is None and pool is not None:
+        found = indices_users_delegated(node, backward_delegated, delegated)
+        if found is not None:
+            rejection = dataclasses.replace(found, rule="indices_users_delegated")
     if rejection is not None and log:
         logger.info(
             rejection.message(node.name),

@@ -7,6 +7,8 @@ Rewrites, in this order:
    the delegate's outputs in the order of its signature;
 0. ``int64_constants.narrow_int64_scalar_tensors``: int64 scalar constants of
    the integer tails (cross-entropy targets) become int32 like the rest;
+0. ``full_reductions``: int64 constants compared with integer tensors get an
+   int32 spec, and sums over every dim name their dims (a loss tail QNN takes);
 0. ``conv1d.unbake_trainable_weights``: forward 1-D convolutions read their
    trainable weight, not the frozen copy executorch's CanonicalizeConv made;
 1. ``conv1d.lift_conv1d``: 1-D nodes become 2-D nodes with a unit height, those
@@ -39,6 +41,7 @@ from ..partition.target import Target
 from . import max_pool_backward
 from .consecutive_permutes import fold_consecutive_permutes
 from .conv1d import lift_conv1d, unbake_trainable_weights
+from .full_reductions import explicit_full_reductions, narrow_int64_comparison_constants
 from .int64_constants import narrow_int64_scalar_tensors
 from .shape_only_operands import replace_shape_only_operands
 from .split_gradients import split_input_gradient
@@ -46,7 +49,11 @@ from .split_gradients import split_input_gradient
 
 def _remember_names(graph: torch.fx.Graph) -> None:
     for node in graph.nodes:
-        if nodes.is_conv_bwd(node) or nodes.is_max_pool_backward(node):
+        if (
+            nodes.is_conv_bwd(node)
+            or nodes.is_max_pool_backward(node)
+            or nodes.is_max_pool_with_indices(node)
+        ):
             node.meta.setdefault(NAME_SEEN, node.name)
 
 
@@ -66,7 +73,6 @@ class CanonicalizeConvolutionBackward(PassBase):
         self.skip_node_id_set = set(skip_node_id_set or ())
         self.skip_node_op_set = set(skip_node_op_set or ())
 
-
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         target = (
             Target.from_compile_specs(self.compiler_specs, self.edge_program)
@@ -84,6 +90,8 @@ class CanonicalizeConvolutionBackward(PassBase):
 
         changed = unbake_trainable_weights(graph_module, self.edge_program)
         changed += narrow_int64_scalar_tensors(graph_module)
+        changed += narrow_int64_comparison_constants(graph_module, self.edge_program)
+        changed += explicit_full_reductions(graph_module)
         changed += fold_consecutive_permutes(graph_module)
         changed += lift_conv1d(
             graph_module,
@@ -94,5 +102,7 @@ class CanonicalizeConvolutionBackward(PassBase):
         changed += split_input_gradient(graph_module, delegated)
         changed += replace_shape_only_operands(graph_module, delegated)
         # Logged here: a max pool backward kept on CPU is rewritten away before partitioning.
-        changed += max_pool_backward.rewrite(graph_module, lambda n: judge.judge(n, context))
+        changed += max_pool_backward.rewrite(
+            graph_module, target, lambda n: judge.judge(n, context)
+        )
         return PassResult(graph_module, changed > 0)

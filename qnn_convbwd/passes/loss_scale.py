@@ -24,7 +24,6 @@ from ..meta import UNSCALE
 logger = logging.getLogger(__name__)
 
 
-
 class LossScaleError(ValueError):
     """The graph's backward seed cannot be found unambiguously."""
 

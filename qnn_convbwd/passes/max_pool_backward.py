@@ -3,9 +3,13 @@
 A node the support rules (``partition.max_pool``) delegate gets, before
 partitioning:
 
-* its indices cast to int32 by a ``_to_dim_order_copy`` that stays on CPU (``ON_CPU``):
-  QNN has no int64, and the forward that produces them stays on CPU (executorch's
-  max pool visitor refuses a pool whose indices are used);
+* its indices cast to int32 by a ``_to_dim_order_copy``: QNN has no int64. When
+  its forward pool may go to the HTP with its indices (``partition.max_pool.
+  decide_forward``: every user of the indices is a delegated backward), the forward
+  is marked ``INDICES_ON_HTP`` and the cast ``INDICES_CAST``: the partitioner
+  delegates both or neither (the forward's plugin visitor makes the indices int32,
+  the cast is then an identity). Otherwise the cast stays on CPU (``ON_CPU``), with
+  the forward (executorch's max pool visitor refuses a pool whose indices are used);
 * its input, read only for its shape, replaced by a static-shape ``full``
   (``SHAPE_OF``, see ``shape_only_operands.py``);
 * ``INDEX_PLANE``: the plane its indices count in (``geometry.pool.index_plane``).
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 from collections.abc import Callable
 
 import torch
@@ -43,9 +48,10 @@ from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration, nodes
 from ..geometry import pool as pg
-from ..meta import INDEX_PLANE, ON_CPU, SHAPE_OF
+from ..meta import INDEX_PLANE, INDICES_CAST, INDICES_ON_HTP, ON_CPU, SHAPE_OF
 from ..partition import max_pool
 from ..partition.judge import Verdict
+from ..partition.target import Target
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +199,7 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
     source = node.args[pg.INPUT]
     with graph.inserting_before(node):
         if indices.meta["val"].dtype != torch.int32:
+            from_htp = indices_from_htp(node)
             cast = _call(
                 graph,
                 _int32_copy(),
@@ -200,8 +207,12 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
                 {"dtype": torch.int32},
                 f"{node.name}_indices_int32",
                 mode,
-                node.name,
+                None if from_htp else node.name,
             )
+            if from_htp:
+                # Delegated with the forward (an identity there: its indices are int32
+                # in QNN already), or on CPU when the partitioner keeps the forward there.
+                cast.meta[INDICES_CAST] = True
             node.replace_input_with(indices, cast)
         if source.target != ops.full.default:
             full = _call(
@@ -217,12 +228,56 @@ def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
             node.replace_input_with(source, full)
 
 
+def indices_from_htp(node: torch.fx.Node) -> bool:
+    """The backward ``node`` reads the indices of a forward pool marked ``INDICES_ON_HTP``
+    (directly, or through its ``INDICES_CAST``)."""
+    indices = node.args[pg.INDICES]
+    if isinstance(indices, torch.fx.Node) and indices.meta.get(INDICES_CAST):
+        indices = indices.args[0]
+    return (
+        isinstance(indices, torch.fx.Node)
+        and indices.target == operator.getitem
+        and nodes.is_max_pool_with_indices(indices.args[0])
+        and bool(indices.args[0].meta.get(INDICES_ON_HTP))
+    )
+
+
 def _pool_backward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return [n for n in graph.nodes if nodes.is_max_pool_backward(n)]
 
 
+def mark_forward_pools(
+    graph_module: torch.fx.GraphModule,
+    target: Target,
+    verdict: Callable[[torch.fx.Node], Verdict],
+) -> int:
+    """Mark ``INDICES_ON_HTP`` the forward pools whose indices go to the HTP; return how many.
+
+    Only pools whose indices are used; the decision (``decide_forward``) is logged
+    here, once. ``verdict``: the partitioner's verdict without executorch's check.
+    """
+
+    def backward_delegated(backward: torch.fx.Node) -> bool:
+        return verdict(backward).supported
+
+    marked = 0
+    for node in graph_module.graph.nodes:
+        if not nodes.is_max_pool_with_indices(node) or not max_pool.indices_users(node):
+            continue
+        node.meta.pop(INDICES_ON_HTP, None)
+        decision = max_pool.decide_forward(node, target, backward_delegated)
+        # The graph rules (skip options, ...) on the pool itself, before it is marked.
+        if decision.supported and verdict(node).supported:
+            node.meta[INDICES_ON_HTP] = True
+            marked += 1
+        else:
+            node.meta.pop(INDICES_ON_HTP, None)
+    return marked
+
+
 def rewrite(
     graph_module: torch.fx.GraphModule,
+    target: Target,
     verdict: Callable[[torch.fx.Node], Verdict],
 ) -> int:
     """Prepare delegated nodes for QNN, make CPU nodes right; return how many changed.
@@ -230,7 +285,7 @@ def rewrite(
     ``verdict(node)``: the partitioner's verdict (``partition.judge``), without
     executorch's check.
     """
-    changed = 0
+    changed = mark_forward_pools(graph_module, target, verdict)
     for node in _pool_backward_nodes(graph_module.graph):
         found = verdict(node)
         if found.supported:

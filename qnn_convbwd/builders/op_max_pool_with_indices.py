@@ -1,0 +1,188 @@
+"""QNN lowering of a forward ``aten.max_pool2d_with_indices`` whose indices are used.
+
+executorch's visitor builds PoolMax2d for the values only and refuses a pool
+whose indices (getitem 1) have a user. In a training graph the indices feed the
+pool's backward; when that backward is delegated too (``partition.max_pool``
+``decide_forward``), this visitor computes them in the graph, exactly as
+torch's CPU kernel does: the *first* maximum in the window's row-major scan
+order (kernel offsets ``j``, last dim fastest), as the flat position ``h * W + w``
+in the pool's input plane (which is the -inf padded plane after executorch's
+RecomposePadMaxPool2d, what ``geometry.pool.IndexPlane`` records for the
+backward). NHWC activations::
+
+    canvas   = Pad(x, -inf)                 # only where padding / ceil_mode need it
+    values   = PoolMax2d(canvas)            # ElementWiseMaximum chain when dilated
+    x_j      = StridedSlice(canvas, j * d, step s)   # what offset j of every window reads
+    indices  = table_last
+    indices  = ElementWiseSelect(ElementWiseEqual(x_j, values), table_j, indices)
+               for j from the second-last offset down to the first: the last write wins
+
+``table_j`` is the static int32 ``[1, *out, 1]`` of ``op_max_pool_backward.window_table``.
+The equality is exact: PoolMax2d's (and Maximum's) output is one of its inputs,
+in the same precision. The indices are int32 (QNN has no int64); they never
+leave the delegate (the partition rule), so nothing reads them as torch's int64.
+
+A pool whose indices are unused is left to executorch's visitor (``original``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import integration
+from ..geometry import pool as pg
+from ..meta import INDICES_CAST, INDICES_ON_HTP
+from . import qnn_ops
+from .op_max_pool_backward import window_table
+
+TARGET = "aten.max_pool2d_with_indices.default"
+CAST_TARGET = "dim_order_ops._to_dim_order_copy.default"  # executorch's visitor: op_to.py
+# "pool_max" (default): PoolMax2d for the values where the pool is not dilated;
+# "maximum": the values as an ElementWiseMaximum chain over the slices (always).
+VALUES = "pool_max"
+
+
+def window_extent(pool: pg.MaxPoolBackward) -> tuple[int, ...]:
+    """Per dim, the padded extent the windows read: ``(out - 1) * s + (k - 1) * d + 1``."""
+    return tuple((o - 1) * s + (k - 1) * d + 1 for _, o, k, s, _, d in pool.per_dim())
+
+
+class _Builder:
+    def __init__(self, visitor, node, nodes_to_wrappers, pool: pg.MaxPoolBackward) -> None:
+        self.visitor, self.node, self.n2w, self.pool = visitor, node, nodes_to_wrappers, pool
+        self.ops: list = []
+        self.batch, self.channels = int(pool.input_shape[0]), int(pool.input_shape[1])
+
+    def name(self, suffix: str) -> str:
+        return f"{self.node.name}_{suffix}"
+
+    def tensor(self, suffix: str, sizes, dtype):
+        shape = [self.batch, *sizes, self.channels]
+        return qnn_ops.native_tensor(self.visitor, self.name(suffix), shape, dtype, self.n2w)
+
+    def op(self, suffix: str, names_key: str, inputs, outputs):
+        op = qnn_ops.new_op(self.name(suffix), integration.get(names_key).op_name, inputs, outputs)
+        self.ops.append(op)
+        return op
+
+    def canvas(self, source):
+        """The input with -inf where the windows read padding (torch's implicit -inf),
+        cut to the windows' extent; ``source`` itself when it is exactly that."""
+        pool, dtype = self.pool, self.pool.dtype
+        extent = window_extent(pool)
+        after = [max(0, e - p - i) for e, p, i in zip(extent, pool.padding, pool.in_sizes)]
+        padded_sizes = [p + i + a for p, i, a in zip(pool.padding, pool.in_sizes, after)]
+        if any(pool.padding) or any(after):
+            padded = self.tensor("canvas_pad", padded_sizes, dtype)
+            amounts = [[0, 0], *zip(pool.padding, after), [0, 0]]
+            self.ops.append(
+                qnn_ops.constant_pad(self.name("canvas_pad_op"), source, padded, amounts, -np.inf)
+            )
+            source = padded
+        if list(padded_sizes) != list(extent):
+            cut = self.tensor("canvas", extent, dtype)
+            ranges = [[0, self.batch, 1], *([0, e, 1] for e in extent), [0, self.channels, 1]]
+            self.ops.append(qnn_ops.strided_slice(self.name("canvas_op"), source, cut, ranges))
+            source = cut
+        return source
+
+    def window_slice(self, canvas, number: int, offset):
+        """What offset ``offset`` of every window reads: ``[N, *out, C]``."""
+        pool = self.pool
+        ranges = [[0, self.batch, 1]]
+        for j, o, s, d in zip(offset, pool.out_sizes, pool.stride, pool.dilation):
+            ranges.append([j * d, j * d + (o - 1) * s + 1, s])
+        ranges.append([0, self.channels, 1])
+        sliced = self.tensor(f"x{number}", pool.out_sizes, pool.dtype)
+        self.ops.append(qnn_ops.strided_slice(self.name(f"x{number}_op"), canvas, sliced, ranges))
+        return sliced
+
+
+def _pool_max(b: _Builder, canvas, values) -> None:
+    """PoolMax2d over the canvas, no padding, floor rounding: exactly ``out`` windows."""
+    names = integration.get("OpPoolMax2d")
+    op = b.op("values_op", "OpPoolMax2d", [canvas], [values])
+    qnn_ops.uint32_param(op, names.param_filter_size, list(b.pool.kernel))
+    qnn_ops.uint32_param(op, names.param_stride, list(b.pool.stride))
+    qnn_ops.uint32_param(op, names.param_pad_amount, [[0, 0] for _ in b.pool.kernel])
+    qnn_ops.uint32_scalar(op, names.param_rounding_mode, names.RoundingMode.FLOOR)
+
+
+def _maximum_chain(b: _Builder, slices: list, values) -> None:
+    running = slices[0]
+    for number, sliced in enumerate(slices[1:], start=1):
+        last = number == len(slices) - 1
+        out = values if last else b.tensor(f"max{number}", b.pool.out_sizes, b.pool.dtype)
+        b.op(f"max{number}_op", "OpElementWiseMaximum", [running, sliced], [out])
+        running = out
+
+
+def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
+    """PoolMax2d values and int32 first-maximum indices (module docstring)."""
+    pool = pg.parse_forward(node)
+    native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
+    source_node = visitor.get_node(node.args[pg.F_INPUT])
+    source = visitor.define_tensor(
+        source_node, node, visitor.get_tensor(source_node, node), native, nodes_to_wrappers
+    )
+    values = visitor.define_tensor(
+        node, node, visitor.get_tensor(node, node, pg.VALUES), native, nodes_to_wrappers
+    )
+    indices_value = visitor.get_tensor(node, node, pg.INDICES_OUTPUT).to(torch.int32)
+    indices = visitor.define_tensor(
+        node, node, indices_value, native, nodes_to_wrappers, wrapper_idx=pg.INDICES_OUTPUT
+    )
+    b = _Builder(visitor, node, nodes_to_wrappers, pool)
+    canvas = b.canvas(source)
+    offsets = list(pool.offsets())
+    slices = [b.window_slice(canvas, number, offset) for number, offset in enumerate(offsets)]
+    if VALUES == "pool_max" and all(d == 1 for d in pool.dilation):
+        _pool_max(b, canvas, values)
+    elif len(slices) == 1:
+        b.op("values_op", "OpReshape", [slices[0]], [values])
+    else:
+        _maximum_chain(b, slices, values)
+
+    # torch's flat index counts in the pool's own (unpadded) input plane; window_table
+    # marks padding -1, where the canvas holds -inf, which is never the maximum.
+    plane = pg.IndexPlane(pool.in_sizes, (0,) * pg.SPATIAL_DIMS)
+
+    def table(number: int):
+        value = window_table(pool, plane, offsets[number])
+        return qnn_ops.static_tensor(
+            b.name(f"t{number}"), value, value.shape, torch.int32, nodes_to_wrappers
+        )
+
+    last = len(offsets) - 1
+    running = table(last)
+    # A 1x1 window still needs one Select: it broadcasts the table to [N, *out, C].
+    for number in range(max(last - 1, 0), -1, -1):
+        mask = b.tensor(f"eq{number}", pool.out_sizes, torch.bool)
+        b.op(f"eq{number}_op", "OpElementWiseEqual", [slices[number], values], [mask])
+        out = indices if number == 0 else b.tensor(f"idx{number}", pool.out_sizes, torch.int32)
+        b.op(f"idx{number}_op", "OpElementWiseSelect", [mask, table(number), running], [out])
+        running = out
+    return b.ops
+
+
+def define_indices_cast(original, visitor, node: torch.fx.Node, nodes_to_wrappers):
+    """An ``INDICES_CAST``: the forward's indices are int32 in QNN already, so a Reshape
+    to the same shape (executorch's Cast visitor would read them as int64)."""
+    if not node.meta.get(INDICES_CAST):
+        return original()
+    native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
+    source_node = visitor.get_node(node.args[0])
+    value = visitor.get_tensor(source_node, node).to(torch.int32)
+    source = visitor.define_tensor(source_node, node, value, native, nodes_to_wrappers)
+    result = visitor.define_tensor(
+        node, node, visitor.get_tensor(node, node), native, nodes_to_wrappers
+    )
+    return qnn_ops.reshape(f"{node.name}_identity", source, result)
+
+
+def define_max_pool(original, visitor, node: torch.fx.Node, nodes_to_wrappers):
+    """executorch's visitor, unless the plugin delegates the node's indices."""
+    if not node.meta.get(INDICES_ON_HTP):
+        return original()
+    return build(visitor, node, nodes_to_wrappers)

@@ -204,3 +204,44 @@ def test_phases_match_aten_on_the_simulator(qnn_sdk, soc):
     assert compiled.report.delegated == len(SIMULATOR_CONFIGS)
     assert harness.delegate_count(compiled.edge) == 1
     assert_bank_matches(compiled, bank)
+
+
+def test_phase_filters_are_slices_of_the_forward_filter(qnn_sdk):
+    """runtime_weight: every phase's TransposeConv2d reads a StridedSlice of the one HWOI
+    Transpose of the forward Conv2d's filter; one static tensor holds the weight."""
+    from qnn_convbwd import integration
+    from qnn_convbwd import weight_bytes as wb
+    from qnn_convbwd.builders import input_gradient_runtime_weight as rw
+
+    config = wb.ConvConfig(32, 48, 3, stride=2, size=16)
+    with integration.capture_qnn_graphs() as graphs:
+        module, inputs, compiled, _ = wb.lower(config, "fwd+bwd", "SM8650", rw.NAME, 0, "phases")
+    assert wb.convolutions_on_cpu(compiled) == []
+    (ops,) = graphs
+    producers = {t.name: op for op in ops for t in op.outputs}
+    (conv,) = [op for op in ops if op.op_type == "Conv2d"]
+    tconvs = [op for op in ops if op.op_type == "TransposeConv2d"]
+    assert len(tconvs) == 4
+    hwoi = set()
+    kernels = []
+    for tconv in tconvs:
+        sliced = producers[tconv.inputs[1].name]
+        assert sliced.op_type == "StridedSlice"
+        transpose = producers[sliced.inputs[0].name]
+        assert transpose.op_type == "Transpose"
+        assert transpose.inputs[0].name == conv.inputs[1].name  # the forward's filter
+        hwoi.add(transpose.name)
+        kernels.append(tconv.inputs[1].dims[:2])
+    assert len(hwoi) == 1
+    assert sorted(kernels) == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    numel = math.prod(config.weight_shape)
+    weight_sized = {
+        t.name: t.dims
+        for op in ops
+        for t in op.inputs
+        if t.is_static and math.prod(t.dims) >= numel
+    }
+    assert list(weight_sized.values()) == [tuple(rw.raw_layout(numel)[0])]
+    outputs = compiled.run(inputs)
+    for got, want in zip(outputs, wb.reference(module, inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=5e-3 * want.abs().max().item())

@@ -51,7 +51,7 @@ FP16_MAX = 65504.0
 @dataclasses.dataclass(frozen=True)
 class Options:
     output_padding: str = "auto"
-    stride: str = "zero_insert"
+    stride: str = "phases"
     input_gradient: str = "runtime_weight"
     batch_norm: str = "decompose"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each

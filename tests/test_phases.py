@@ -245,3 +245,19 @@ def test_phase_filters_are_slices_of_the_forward_filter(qnn_sdk):
     outputs = compiled.run(inputs)
     for got, want in zip(outputs, wb.reference(module, inputs), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=5e-3 * want.abs().max().item())
+
+
+def test_depth_to_space_interleave_on_the_simulator(qnn_sdk, monkeypatch):
+    """The measured alternative (transpose_conv_phases.INTERLEAVE): one Concat on the
+    channels and DepthToSpace where every phase has taps."""
+    from programs import ConvBackwardBank, assert_bank_matches
+
+    import qnn_convbwd
+    from qnn_convbwd.builders import transpose_conv_phases
+    from qnn_convbwd.toolchain import harness
+
+    monkeypatch.setattr(transpose_conv_phases, "INTERLEAVE", "depth_to_space")
+    bank = ConvBackwardBank(SIMULATOR_CONFIGS[:2] + SIMULATOR_CONFIGS[3:5])
+    with qnn_convbwd.enabled(stride="phases"):
+        compiled = harness.lower_program(bank.export(), "SM8650")
+    assert_bank_matches(compiled, bank)

@@ -24,6 +24,12 @@ from . import conv_geometry as geo
 from . import phase_geometry as phg
 from . import qnn_ops, weights
 
+# How the phases are put back together where every phase is computed (taps == stride):
+# "concat_reshape" (per dim: Reshape / Concat / Reshape) or "depth_to_space" (one
+# Concat on the channels and DepthToSpace). Phases with zero phases (kernel < stride)
+# always take the per-dim path.
+INTERLEAVE = "concat_reshape"
+
 
 def _kernel_slice(req, hwoi, weight_node, plan: phg.PhasePlan, phase: phg.Phase):
     """(ops, filter): taps ``offset::stride`` of the HWOI filter ``[kH, kW, O, I/g]``."""
@@ -89,9 +95,46 @@ def build(req, conv, weight: weights.WeightTensors) -> list:
 
     concat = integration.get("OpConcat")
     sizes = list(plan.rows)
+    by_channels = INTERLEAVE == "depth_to_space" and plan.taps == plan.stride
+    if by_channels:
+        # Every phase computed: Concat on the channels in row-major phase order, then
+        # DepthToSpace (DCR: channel (r_h s_w + r_w) C + c goes to row q_h s_h + r_h,
+        # column q_w s_w + r_w).
+        stacked = tensor("phases_cat", [n, *sizes, len(plan.phases) * channels])
+        inputs = [results[phase.offset] for phase in plan.phases]
+        op = qnn_ops.new_op(f"{node.name}_phases_cat", concat.op_name, inputs, [stacked])
+        qnn_ops.uint32_scalar(op, concat.param_axis, 1 + spatial)
+        ops.append(op)
+        sizes = list(plan.interleaved)
+        interleaved = tensor("interleaved", [n, *sizes, channels])
+        names = integration.get("OpDepthToSpace")
+        op = qnn_ops.new_op(f"{node.name}_interleave", names.op_name, [stacked], [interleaved])
+        qnn_ops.uint32_param(op, names.param_block_size, list(plan.stride))
+        qnn_ops.uint32_scalar(op, names.param_mode, names.Mode.DCR)
+        ops.append(op)
+        results = {(0,) * spatial: interleaved}
     for d in reversed(range(spatial)):
         s = plan.stride[d]
-        if s == 1:
+        if s == 1 or by_channels:
+            continue
+        if plan.taps[d] == 1:  # one phase and zeros: upsample it (no Concat)
+            tag = f"interleave{d}"
+            merged = {}
+            for key, part in sorted(results.items()):
+                factors = [s if i == d else 1 for i in range(spatial)]
+                up_ops, up, _ = qnn_ops.zero_insert(
+                    visitor,
+                    f"{node.name}_{tag}_" + "x".join(map(str, key)),
+                    part,
+                    [n, *sizes, channels],
+                    factors,
+                    dtype,
+                    n2w,
+                )
+                ops += up_ops
+                merged[key] = up
+            sizes[d] *= s
+            results = merged
             continue
         lead = n * math.prod(sizes[:d])
         trail = math.prod(sizes[d + 1 :]) * channels

@@ -26,8 +26,9 @@ OUTPUT_PADDING_MODES = ("auto", "parameter", "fold", "crop")
 #                 "zero_insert".
 # Measured with QAIRT 2.51: for a strided TransposeConv2d the HTP compiler stores
 # per-phase copies of the filter, static (1.8x a 3x3 stride-2 weight) or prepared
-# from a runtime filter (+0.10x); with stride 1 it stores none. See the README,
-# "Weight stored once".
+# from a runtime filter (+0.10x); with stride 1 it stores none. "phases" (the
+# default) does the ideal multiply-adds and stores 4-8 KiB more context than
+# "zero_insert", which does s^2 times the multiply-adds (docs/weight_bytes.md).
 STRIDE_MODES = ("zero_insert", "parameter", "phases")
 
 # How grad_input is built: keys of builders.input_gradient.FORMULATIONS.

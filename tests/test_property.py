@@ -521,7 +521,9 @@ def emitted_phase_grad_input(emitted: list[EmittedOp], built: cases.Built, node:
     if built.config.spatial_dims == 1:  # lowered as 2-D with a unit height
         weight_iohw, grad_output = weight_iohw.unsqueeze(2), grad_output.unsqueeze(2)
     steps = (f"{node}{PHASE_TAG}", f"{node}_interleave", f"{node}_crop")
-    own = [op for op in emitted if op.name.startswith(steps)]
+    # A compiled program builds each op twice (partitioner validation, then the
+    # delegate): keep the last of each name.
+    own = list({op.name: op for op in emitted if op.name.startswith(steps)}.values())
     tconvs = [op for op in own if op.type == "TransposeConv2d"]
     producer = {out: op for op in emitted for out in op.outputs}
     filters = {}

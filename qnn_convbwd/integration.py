@@ -102,6 +102,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "OpElementWiseMaximum",
         "QNN op names (dilated forward max pool)",
     ),
+    (f"{_QC}.builders.qnn_constants", "OpDepthToSpace", "QNN op/param names (stride phases)"),
     (f"{_QC}._passes", "RemoveRedundancy", "pass ordering"),
     (f"{_QC}._passes", "ResolveDebugHandle", "pass ordering"),
     (f"{_QC}._passes.i64_to_i32", "I64toI32._record_original_output_dtype", "patched"),

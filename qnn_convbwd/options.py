@@ -19,11 +19,17 @@ OUTPUT_PADDING_MODES = ("auto", "parameter", "fold", "crop")
 #   "zero_insert" grad_output upsampled with zeros, then a stride-1 TransposeConv2d,
 #                 the output padding folded into its end crop;
 #   "parameter"   TransposeConv2d's stride parameter (``output_padding`` applies).
+#   "phases"      one stride-1 TransposeConv2d per output phase, its filter a StridedSlice
+#                 of the shared HWOI filter, the phases interleaved (Concat/Reshape/Pad)
+#                 and cropped: the forward's multiply-adds, none on zeros
+#                 (geometry/phases.py); where it does not apply (3-D, dilated)
+#                 "zero_insert".
 # Measured with QAIRT 2.51: for a strided TransposeConv2d the HTP compiler stores
 # per-phase copies of the filter, static (1.8x a 3x3 stride-2 weight) or prepared
-# from a runtime filter (+0.10x); with stride 1 it stores none. See the README,
-# "Weight stored once".
-STRIDE_MODES = ("zero_insert", "parameter")
+# from a runtime filter (+0.10x); with stride 1 it stores none. "phases" (the
+# default) does the ideal multiply-adds and stores 4-8 KiB more context than
+# "zero_insert", which does s^2 times the multiply-adds (docs/weight_bytes.md).
+STRIDE_MODES = ("zero_insert", "parameter", "phases")
 
 # How grad_input is built: keys of builders.input_gradient.FORMULATIONS.
 #   "runtime_weight" stores a weight shared with a forward Conv2d once (the filter
@@ -46,7 +52,7 @@ FP16_MAX = 65504.0
 @dataclasses.dataclass(frozen=True)
 class Options:
     output_padding: str = "auto"
-    stride: str = "zero_insert"
+    stride: str = "phases"
     input_gradient: str = "runtime_weight"
     batch_norm: str = "decompose"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each

@@ -7,6 +7,7 @@ and prints the cycles the QNN profiler reports per op and run. See
 docs/cost.md for what these numbers are worth on the simulator.
 
     python scripts/op_cycles.py --model demo --runs 3
+    python scripts/op_cycles.py --model demo --stride phases
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from qnn_convbwd import api
+from qnn_convbwd import api, options
 from qnn_convbwd.toolchain import ensure_sdk
 from qnn_convbwd.tools import models
 
@@ -28,6 +29,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
         "--level", type=int, default=2, choices=(2, 3), help="2 detailed, 3 optrace"
+    )
+    parser.add_argument(
+        "--stride", choices=options.STRIDE_MODES, default=None, help="Options.stride"
     )
     args = parser.parse_args()
 
@@ -46,7 +50,8 @@ def main() -> None:
         profile_level=args.level,
     )
     case = models.TRAINING_MODELS[args.model](args.trainable)
-    pte = api.lower(case.joint(), specs).edge.to_executorch().buffer
+    with api.enabled(**({"stride": args.stride} if args.stride else {})):
+        pte = api.lower(case.joint(), specs).edge.to_executorch().buffer
     program = Runtime.get().load_program(pte, enable_etdump=True, debug_buffer_size=int(1e7))
     method = program.load_method("forward")
     for _ in range(args.runs):

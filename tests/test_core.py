@@ -307,8 +307,10 @@ def shared_weight_lowering(qnn_sdk):
     joint = _export_forward_backward(torch.export.export(model, (x, target), strict=True))
     # The static-weight structure of transpose_conv; runtime_weight (the default)
     # is checked in test_weight_bytes.py.
+    # The zero_insert structure of a strided grad_input; "phases" (the default) is
+    # checked in test_phases.py.
     with (
-        qnn_convbwd.enabled(input_gradient="transpose_conv"),
+        qnn_convbwd.enabled(input_gradient="transpose_conv", stride="zero_insert"),
         qnn_convbwd.integration.capture_qnn_graphs() as graphs,
         _capture_uint32_params() as params,
     ):

@@ -172,8 +172,9 @@ def test_measured_demo_macs_by_hand(demo_cost):
     # Conv2d: the forward convs (depthwise apart) and the adapter's grad_weight
     assert plugin.qnn_macs["Conv2d"] == fwd - 9_216 + 14_400
     assert plugin.qnn_macs["DepthWiseConv2d"] == 9_216
-    # grad_input: the stride-2 conv's runs on zero-upsampled 16x16 grad_output (4x)
-    assert plugin.qnn_macs["TransposeConv2d"] == 259_200 + 4 * 147_456 + 9_216 + 8_192
+    # grad_input: the stride-2 conv's as four phase TransposeConv2d (Options.stride="phases"),
+    # their taps 4 + 2 + 2 + 1 of the 3x3 kernel on the 8x8 grad_output: the ideal count
+    assert plugin.qnn_macs["TransposeConv2d"] == 259_200 + 147_456 + 9_216 + 8_192
     # Kept on CPU: the program still holds every convolution_backward, at the ideal count
     assert on_cpu.backward_delegated == "0 of 5"
     assert on_cpu.cpu_macs == {"aten.convolution_backward.out": fwd}
@@ -195,7 +196,7 @@ def test_measured_demo_bytes_and_memory(demo_cost):
     assert plugin.delegates == 1 and on_cpu.delegates > 1
     assert len(plugin.delegate_io) == 1 and len(on_cpu.delegate_io) == on_cpu.delegates
     assert 0 < plugin.planned < on_cpu.planned
-    assert "| plugin | HTP | TransposeConv2d | 866,432 |" in cost.to_markdown(demo_cost)
+    assert "| plugin | HTP | TransposeConv2d | 424,064 |" in cost.to_markdown(demo_cost)
 
 
 def test_planned_memory_reads_the_forward_plan():

@@ -441,6 +441,8 @@ def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Te
     tconvs = [op for op in emitted if op.type in TRANSPOSE_CONVS]
     assert tconvs, f"no TransposeConv among {[op.type for op in emitted]}"
     tconv = tconvs[-1]
+    if PHASE_TAG in tconv.name:  # Options.stride="phases"
+        return emitted_phase_grad_input(emitted, built, tconv.name.rsplit(PHASE_TAG, 1)[0])
 
     # The node's own ops around its TransposeConv (builders/input_gradient.py names them).
     around = {f"{tconv.name}_{step}" for step in ("reorder", "pad", "crop", "restore")}
@@ -473,10 +475,85 @@ def emitted_grad_input(emitted: list[EmittedOp], built: cases.Built) -> torch.Te
     return value.squeeze(2) if one_d else value
 
 
+# builders/transpose_conv_phases.py names its ops ``<node>_phase<offsets>``, ...
+PHASE_TAG = "_phase"
+
+
+def _nhwc_op(op: EmittedOp, inputs: list[torch.Tensor], filters: dict) -> torch.Tensor | None:
+    """What ``op`` computes on NHWC tensors, for the ops of the phase decomposition."""
+    x = inputs[0]
+    if op.type == "TransposeConv2d":
+        assert op.params["stride"] == [1, 1] and op.params["output_padding"] == [0, 0]
+        nchw = qnn_transpose_conv(
+            x.permute(0, 3, 1, 2),
+            filters[op.inputs[1]],
+            op.params["stride"],
+            op.params["pad_amount"],
+            op.params["output_padding"],
+            op.params["group"],
+        )
+        return nchw.permute(0, 2, 3, 1)
+    if op.type == "Pad":
+        assert op.params.get("pad_constant_value", 0) == 0
+        amounts = op.params["pad_amount"]
+        return F.pad(x, [a for begin_end in reversed(amounts) for a in begin_end])
+    if op.type == "Reshape":
+        (shape,) = op.output_dims
+        return x.reshape(shape)
+    if op.type == "Concat":
+        return torch.cat(inputs, dim=op.params["axis"])
+    if op.type == "StridedSlice":
+        return x[tuple(slice(b, e, st) for b, e, st in op.params["ranges"])]
+    if op.type == "DepthToSpace":
+        assert op.params["mode"] == 0  # DCR
+        bh, bw = op.params["block_size"]
+        n, h, w, c = x.shape
+        x = x.reshape(n, h, w, bh, bw, c // (bh * bw)).permute(0, 1, 3, 2, 4, 5)
+        return x.reshape(n, h * bh, w * bw, c // (bh * bw))
+    return None
+
+
+def emitted_phase_grad_input(emitted: list[EmittedOp], built: cases.Built, node: str):
+    """Follow grad_output through the phase TransposeConvs (their filters the emitted
+    StridedSlices of the weight's HWOI filter) and the interleave to the node's crop."""
+    weight_iohw = built.module.weight.double()  # conv weight OIHW = [C_in_t, C_out_t/g, k]
+    grad_output = built.inputs[0].double()
+    if built.config.spatial_dims == 1:  # lowered as 2-D with a unit height
+        weight_iohw, grad_output = weight_iohw.unsqueeze(2), grad_output.unsqueeze(2)
+    steps = (f"{node}{PHASE_TAG}", f"{node}_interleave", f"{node}_crop")
+    # A compiled program builds each op twice (partitioner validation, then the
+    # delegate): keep the last of each name.
+    own = list({op.name: op for op in emitted if op.name.startswith(steps)}.values())
+    tconvs = [op for op in own if op.type == "TransposeConv2d"]
+    producer = {out: op for op in emitted for out in op.outputs}
+    filters = {}
+    for tconv in tconvs:
+        name = tconv.inputs[1]
+        source = producer.get(name)
+        if source is not None and source.type == "StridedSlice":  # taps c::s of [kH, kW, O, I]
+            (h, w) = (slice(b, e, st) for b, e, st in source.params["ranges"][:2])
+            filters[name] = weight_iohw[:, :, h, w]
+        else:  # the whole filter (kernel 1 in every strided dim)
+            filters[name] = weight_iohw
+    roots = {t.inputs[0] for t in tconvs}
+    assert len(roots) == 1, f"phases read different grad_outputs: {roots}"
+    values = {roots.pop(): grad_output.permute(0, 2, 3, 1)}
+    for op in own:
+        if op.inputs and all(i in values for i in op.inputs if i not in filters):
+            result = _nhwc_op(op, [values[i] for i in op.inputs if i not in filters], filters)
+            if result is not None:
+                values[op.outputs[0]] = result
+    (crop,) = [op for op in own if op.name == f"{node}_crop"]
+    value = values[crop.outputs[0]].permute(0, 3, 1, 2)
+    return value.squeeze(2) if built.config.spatial_dims == 1 else value
+
+
 def check_emitted(emitted: list[EmittedOp], built: cases.Built, tier: str) -> None:
     (want, *_), (scale, *_) = reference64(built), magnitude64(built)
     got = emitted_grad_input(emitted, built)
-    key = f"{tier}: emitted QNN params, model vs aten (x magnitude)"
+    phases = any(PHASE_TAG in op.name for op in emitted if op.type in TRANSPOSE_CONVS)
+    plan = " (stride phases)" if phases else ""
+    key = f"{tier}: emitted QNN params{plan}, model vs aten (x magnitude)"
     ratio = ratio_to_magnitude(got, want, scale)
     WORST[key] = max(WORST[key], ratio)
     assert ratio < 1e-12, f"emitted QNN parameters give grad_input off by {ratio:.3g}"

@@ -154,11 +154,18 @@ def test_joint_graph_transpose_conv_reads_the_forward_weight(qnn_sdk):
         if n.target is torch.ops.aten.convolution_backward.default and n.args[-1][0]
     ]
     assert len(input_grads) == 4
-    assert len(transpose_convs) == len(input_grads), [op.type for op in graph.ops]
+    # The stride-2 3x3 conv's grad_input is four phase TransposeConv2d
+    # (Options.stride="phases"), each of the others one.
+    phases = [op for op in transpose_convs if "_phase" in op.name]
+    assert len(phases) == 4 and len({op.name.split("_phase")[0] for op in phases}) == 1
+    assert len(transpose_convs) == len(input_grads) + 3, [op.type for op in graph.ops]
     static = [t.name for t in graph.tensors.values() if t.type == "STATIC" and t.data]
     forward_convs = [op for op in graph.ops if op.type in ("Conv2d", "DepthWiseConv2d")]
     for tconv in transpose_convs:
         filter_producer = graph.producer(tconv.inputs[1])
+        if tconv in phases:  # a phase's filter: a StridedSlice of the HWOI filter
+            assert filter_producer is not None and filter_producer.type == "StridedSlice"
+            filter_producer = graph.producer(filter_producer.inputs[0])
         assert filter_producer is not None and filter_producer.type == "Transpose", tconv
         # The STATIC tensor the filter's data comes from: the Transpose's input, or
         # the root of runtime ops (Multiply by one, Reshape, ...) above it.

@@ -8,12 +8,16 @@ take a ``GradInputRequest``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from .. import integration
 from ..geometry import conv as geo
-from . import qnn_ops, weights
+from ..geometry import phases as phase_geometry
+from . import qnn_ops, transpose_conv_phases, weights
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -62,6 +66,11 @@ def build(req: GradInputRequest) -> list:
     weight = weights.weight_for_input_gradient(
         visitor, visitor.get_node(node.args[geo.WEIGHT]), node, plan, order, n2w
     )
+    if req.stride == "phases":
+        declined = phase_geometry.unsupported_reason(conv)
+        if declined is None:
+            return transpose_conv_phases.build(req, conv, weight)
+        logger.debug("%s: stride=phases falls back to zero_insert: %s", node.name, declined)
     ops = list(weight.ops)
 
     def permuted(shape) -> list[int]:

@@ -372,7 +372,10 @@ def plan_input_gradient(
     unit = (1,) * conv.spatial_dims
     # The zero-insertion plan crops through pad_amount, which TransposeConv3d
     # applies wrongly (transpose_conv_applies_padding): 3-D keeps the op's stride.
-    upsample = stride == "zero_insert" and transpose_conv_applies_padding(conv.spatial_dims)
+    # "phases" (geometry/phases.py) takes this plan where it does not apply.
+    upsample = stride in ("zero_insert", "phases") and transpose_conv_applies_padding(
+        conv.spatial_dims
+    )
     if upsample and any(s > 1 for s in conv.stride):
         dims = conv.per_dim()
         after = all(d * (k - 1) + 1 == 1 for _, _, s, _, d, k in dims if s > 1)

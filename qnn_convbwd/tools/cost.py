@@ -46,7 +46,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .. import integration
+from .. import integration, options
 from ..integration import QnnOpInfo, QnnTensorInfo
 from . import models, train_cli
 
@@ -449,6 +449,12 @@ def add_arguments(parser) -> None:
     scheme.add_argument("--trainable", dest="trainable", action="store_true")
     parser.set_defaults(trainable=False)
     parser.add_argument(
+        "--stride",
+        choices=options.STRIDE_MODES,
+        default=None,
+        help="Options.stride for the plugin's lowering (default: the default)",
+    )
+    parser.add_argument(
         "--no-cpu-baseline",
         dest="cpu_baseline",
         action="store_false",
@@ -457,8 +463,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    from . import api
+
     case = models.TRAINING_MODELS[args.model](args.trainable)
-    print(to_markdown(measure(case, args.soc, args.cpu_baseline)))
+    with api.enabled(**({"stride": args.stride} if args.stride else {})):
+        print(to_markdown(measure(case, args.soc, args.cpu_baseline)))
     return 0
 
 

@@ -23,6 +23,7 @@ from .passes.canonicalize import CanonicalizeConvolutionBackward, skip_name
 from .passes.conv1d import ON_CPU
 from .passes.loss_scale import UNSCALE, ScaleLoss
 from .passes.shape_only_operands import SHAPE_OF
+from .passes.sigmoid import StableSigmoid
 
 logger = logging.getLogger(__name__)
 
@@ -235,7 +236,7 @@ def _hooks() -> integration.Hooks:
     hooks.on_support_init = _on_support_init
     hooks.is_node_supported = _is_node_supported
     hooks.transform_pass = CanonicalizeConvolutionBackward
-    hooks.extra_transform_passes = (StableBatchNorm, ScaleLoss)
+    hooks.extra_transform_passes = (StableBatchNorm, StableSigmoid, ScaleLoss)
     hooks.layout_edge_condition = layout.is_edge_condition
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes

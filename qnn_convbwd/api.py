@@ -23,6 +23,7 @@ from .passes import int64_constants, layout, preserve_output_dtypes, record_outp
 from .passes.batch_norm import StableBatchNorm
 from .passes.canonicalize import CanonicalizeConvolutionBackward
 from .passes.loss_scale import ScaleLoss
+from .passes.sigmoid import StableSigmoid
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def _hooks() -> integration.Hooks:
     hooks.on_support_init = _on_support_init
     hooks.is_node_supported = _is_node_supported
     hooks.transform_pass = CanonicalizeConvolutionBackward
-    hooks.extra_transform_passes = (StableBatchNorm, ScaleLoss)
+    hooks.extra_transform_passes = (StableBatchNorm, StableSigmoid, ScaleLoss)
     hooks.layout_edge_condition = layout.is_edge_condition
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes

@@ -18,6 +18,7 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -110,6 +111,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}._passes.layout_transform", "LayoutTransform.layout_sensitive_ops", "op added"),
     (f"{_QC}._passes.layout_transform", "LayoutTransform.is_edge_condition", "patched"),
     (f"{_QC}._passes.layout_transform", "LayoutTransform.mark_as_transformed", "patched"),
+    (f"{_QC}._passes.layout_transform", "LayoutTransform.call", "patched"),
     (
         f"{_QC}.qnn_preprocess",
         "QnnBackend._build_op_wrappers",
@@ -363,6 +365,21 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
     p.set_attr(layout, "is_edge_condition", is_edge_condition)
     p.set_attr(layout, "mark_as_transformed", mark_as_transformed)
+
+    orig_call = layout.call
+
+    def call(self, graph_module):
+        # annotate_layout walks the connected layout region depth first, a few Python
+        # frames per node: a whole training graph (EfficientNet-B0's joint graph has
+        # ~1,900 nodes) exceeds Python's default limit of 1,000 frames.
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 8 * len(graph_module.graph.nodes) + 1000))
+        try:
+            return orig_call(self, graph_module)
+        finally:
+            sys.setrecursionlimit(limit)
+
+    p.set_attr(layout, "call", call)
 
     qp = importlib.import_module(f"{_QC}.partition.qnn_partitioner")
     support_cls = qp.QnnOperatorSupport

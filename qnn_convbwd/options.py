@@ -44,6 +44,12 @@ INPUT_GRADIENT_FORMULATIONS = ("runtime_weight", "transpose_conv")
 #                docs/numerics.md).
 BATCH_NORM_MODES = ("decompose", "executorch")
 
+# How aten.sigmoid is lowered:
+#   "tanh"       passes.sigmoid: 0.5 * tanh(0.5 * x) + 0.5 (at torch fp16's accuracy
+#                on the HTP; QNN's Sigmoid is 2.4x less accurate, docs/numerics.md);
+#   "executorch" executorch's QNN Sigmoid visitor.
+SIGMOID_MODES = ("tanh", "executorch")
+
 
 # The largest finite float16: the loss scale seeds the backward as an fp16 tensor.
 FP16_MAX = 65504.0
@@ -55,6 +61,7 @@ class Options:
     stride: str = "phases"
     input_gradient: str = "runtime_weight"
     batch_norm: str = "decompose"
+    sigmoid: str = "tanh"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
     # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
     # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
@@ -67,6 +74,7 @@ class Options:
             ("stride", STRIDE_MODES),
             ("input_gradient", INPUT_GRADIENT_FORMULATIONS),
             ("batch_norm", BATCH_NORM_MODES),
+            ("sigmoid", SIGMOID_MODES),
         ):
             value = getattr(self, field)
             if value not in choices:

@@ -1,13 +1,15 @@
-"""Fidelity of torchvision models' bias-only training step on the HTP simulator.
+"""Fidelity of torchvision models' training steps on the HTP simulator.
 
-For each architecture (``tests/zoo.bias_only``: random weights, batch-norm
-statistics from random batches, every bias trained, MSE, 32x32): lower the joint
-graph for a SoC with ``qnn_convbwd.lower``, run it on the x86-64 HTP simulator,
-judge every output with ``qnn_convbwd.tools.fidelity`` against torch fp32 and fp16.
-Prints one markdown row per architecture (and, with ``--tensors``, the full
-per-tensor report).
+For each architecture, scheme and size (``tests/zoo.graph``: random weights,
+batch-norm statistics from random batches, the scheme's parameters trained, MSE):
+lower the joint graph for a SoC with ``qnn_convbwd.lower``, run it on the x86-64
+HTP simulator, judge every output with ``qnn_convbwd.tools.fidelity`` against torch
+fp32 and fp16. Prints one markdown row per graph (and, with ``--tensors``, the
+full per-tensor report). On a V68 SoC (SM8350) nothing is delegated and the
+program runs on ExecuTorch's CPU kernels: the row then checks those.
 
-    PYTHONPATH=. python scripts/zoo_fidelity.py [--soc SM8650] [--tensors] [arch ...]
+    PYTHONPATH=. python scripts/zoo_fidelity.py [--soc SM8650] [--scheme bias_only]
+        [--size 32] [--tensors] [arch ...]
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from qnn_convbwd.tools import fidelity  # noqa: E402
 from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
 
 
-def measure(arch: str, soc: str, size: int) -> tuple[str, fidelity.Report]:
+def measure(arch: str, scheme: str, soc: str, size: int) -> tuple[str, fidelity.Report]:
     start = time.perf_counter()
-    graph = zoo.bias_only(arch, size)
+    graph = zoo.graph(arch, scheme, size)
     export_s = time.perf_counter() - start
     compiled = harness.lower_program(graph.program, soc)
     start = time.perf_counter()
@@ -39,7 +41,7 @@ def measure(arch: str, soc: str, size: int) -> tuple[str, fidelity.Report]:
     rows = compiled.report.rows
     worst = report.worst()
     row = (
-        f"| {arch} | {harness.delegate_count(compiled.edge)} "
+        f"| {arch} | {scheme} | {size} | {soc} | {harness.delegate_count(compiled.edge)} "
         f"| {', '.join(cpu_ops(compiled.edge)) or 'nothing'} "
         f"| {compiled.report.delegated} of {len(rows)} | {len(report.rows)} "
         f"| {'yes' if report.within else 'no'} "
@@ -50,25 +52,86 @@ def measure(arch: str, soc: str, size: int) -> tuple[str, fidelity.Report]:
     return row, report
 
 
+def measure_cpu(arch: str, scheme: str, size: int) -> tuple[str, bool]:
+    """The all-CPU program (no QNN: what runs where nothing is delegated) against fp32 torch.
+
+    ``MaxPoolBackwardOnCpu`` works around executorch 1.5.1's max-pool backward kernel.
+    """
+    from executorch.exir import to_edge
+
+    from qnn_convbwd import integration
+    from qnn_convbwd.passes.max_pool_backward import MaxPoolBackwardOnCpu
+
+    graph = zoo.graph(arch, scheme, size)
+    edge = to_edge(graph.program, compile_config=integration.get("qnn_edge_config")())
+    pte = edge.transform([MaxPoolBackwardOnCpu()]).to_executorch().buffer
+    outputs = zoo.joint_outputs(graph, harness.run_pte(pte, list(graph.inputs)))
+    names = fidelity.output_names(graph.program)
+    worst_name, worst = "", 0.0
+    for name, got, want in zip(names, outputs, graph.reference()):
+        rel = fidelity.Metrics.of(got, want).rel_l2
+        if rel > worst:
+            worst_name, worst = name, rel
+    ok = worst <= CPU_REL_L2
+    return (
+        f"| {arch} | {scheme} | {size} | CPU only | {worst_name} {worst:.2g} "
+        f"| {'yes' if ok else 'no'} |",
+        ok,
+    )
+
+
+# fp32 kernels against fp32 eager autograd: only summation order differs.
+CPU_REL_L2 = 1e-4
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("arch", nargs="*", default=list(zoo.ARCHITECTURES))
-    parser.add_argument("--soc", default="SM8650")
-    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--soc", nargs="+", default=["SM8650"])
+    parser.add_argument("--scheme", nargs="+", default=["bias_only"], choices=zoo.SCHEMES)
+    parser.add_argument("--size", nargs="+", type=int, default=[32])
     parser.add_argument("--tensors", action="store_true", help="per-tensor report too")
+    parser.add_argument(
+        "--cpu", action="store_true", help="check the all-CPU programs against fp32 torch instead"
+    )
     args = parser.parse_args()
+    if args.cpu:
+        print(
+            "| model | scheme | px | program | worst rel L2 vs fp32 | right |\n"
+            "|---|---|---|---|---|---|"
+        )
+        ok = True
+        for arch in args.arch:
+            for scheme in args.scheme:
+                for size in args.size:
+                    row, right = measure_cpu(arch, scheme, size)
+                    print(row, flush=True)
+                    ok &= right
+        return 0 if ok else 1
     print(
-        "| model | delegates | on CPU | convolution_backward delegated | outputs | within "
-        "| offending | worst rel L2 | export + lower + run s |\n"
-        "|---|---|---|---|---|---|---|---|---|"
+        "| model | scheme | px | SoC | delegates | on CPU | convolution_backward delegated "
+        "| outputs | within | offending | worst rel L2 | export + lower + run s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     ok = True
     for arch in args.arch:
-        row, report = measure(arch, args.soc, args.size)
-        print(row, flush=True)
-        if args.tensors:
-            print(report.to_markdown(), flush=True)
-        ok &= report.within
+        for scheme in args.scheme:
+            for size in args.size:
+                for soc in args.soc:
+                    try:
+                        row, report = measure(arch, scheme, soc, size)
+                    except Exception as err:  # one graph's failure must not hide the others
+                        print(
+                            f"| {arch} | {scheme} | {size} | {soc} | failed: "
+                            f"{type(err).__name__}: {str(err)[:300]} |",
+                            flush=True,
+                        )
+                        ok = False
+                        continue
+                    print(row, flush=True)
+                    if args.tensors:
+                        print(report.to_markdown(), flush=True)
+                    ok &= report.within
     return 0 if ok else 1
 
 

@@ -72,7 +72,15 @@ def import_torchvision() -> ModuleType:
         ) from err
 
 
-ARCHITECTURES = ("resnet18", "mobilenet_v2", "mobilenet_v3_small")
+ARCHITECTURES = (
+    "resnet18",
+    "mobilenet_v2",
+    "mobilenet_v3_small",
+    "efficientnet_b0",
+    "squeezenet1_1",
+    "shufflenet_v2_x0_5",
+)
+SCHEMES = ("bias_only", "last_layers", "full")
 
 
 class Finetune(torch.nn.Module):
@@ -86,12 +94,45 @@ class Finetune(torch.nn.Module):
         return torch.nn.functional.mse_loss(self.net(x), target)
 
 
-def bias_only(arch: str, size: int = 32, classes: int = 10, seed: int = 0):
-    """``models.TrainingGraph`` of torchvision's ``arch``, bias-only fine-tuning, MSE.
+def last_layers(net: torch.nn.Module) -> tuple[str, ...]:
+    """Name prefixes of the last stage and the head of a torchvision classifier.
+
+    The last block of ``features`` (or of the last ``layerN`` / ``stageN``, or
+    ``conv5`` of ShuffleNet) plus ``classifier`` / ``fc``: what "fine-tune the
+    last layers" means for these architectures.
+    """
+    children = dict(net.named_children())
+    head = next(name for name in ("fc", "classifier") if name in children)
+    if "layer4" in children:  # ResNet
+        return ("layer4.", f"{head}.")
+    if "conv5" in children:  # ShuffleNetV2
+        return ("stage4.", "conv5.", f"{head}.")
+    features = children["features"]
+    last = len(features) - 1
+    while not any(p.requires_grad for p in features[last].parameters()):
+        last -= 1  # SqueezeNet's features end with parameter-free pools/ReLUs
+    return (f"features.{last}.", f"{head}.")
+
+
+def trainable(net: torch.nn.Module, scheme: str) -> list[str]:
+    """Names of the parameters ``scheme`` trains (see SCHEMES)."""
+    names = [name for name, _ in net.named_parameters()]
+    if scheme == "bias_only":
+        return [name for name in names if name.endswith("bias")]
+    if scheme == "last_layers":
+        prefixes = last_layers(net)
+        return [name for name in names if name.startswith(prefixes)]
+    if scheme == "full":
+        return names
+    raise ValueError(f"scheme {scheme!r}: one of {SCHEMES}")
+
+
+def graph(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 10, seed: int = 0):
+    """``models.TrainingGraph`` of torchvision's ``arch`` fine-tuned by ``scheme``, MSE.
 
     Random weights (``seed``); batch-norm statistics are the plain average
     (momentum None) of 3 train-mode passes over random batches of 4, then eval();
-    every bias trains (batch-norm biases included), every weight is frozen.
+    the parameters ``trainable(net, scheme)`` names train, the others are frozen.
     Batch 1, ``size`` x ``size`` input.
     """
     from torch.export.experimental import _export_forward_backward
@@ -110,12 +151,18 @@ def bias_only(arch: str, size: int = 32, classes: int = 10, seed: int = 0):
         for _ in range(3):
             net(torch.randn(4, 3, size, size))
     net.eval()
+    train = set(trainable(net, scheme))
     for name, parameter in net.named_parameters():
-        parameter.requires_grad_(name.endswith("bias"))
+        parameter.requires_grad_(name in train)
     model = Finetune(net)
     inputs = (torch.randn(1, 3, size, size), torch.randn(1, classes))
     joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
-    return models.TrainingGraph(arch, model, inputs, joint)
+    return models.TrainingGraph(f"{arch}/{scheme}", model, inputs, joint)
+
+
+def bias_only(arch: str, size: int = 32, classes: int = 10, seed: int = 0):
+    """``graph(arch, "bias_only", ...)``: every bias trains (the TinyTL recipe)."""
+    return graph(arch, "bias_only", size, classes, seed)
 
 
 def joint_outputs(graph, outputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -15,6 +15,7 @@ program runs on ExecuTorch's CPU kernels: the row then checks those.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -95,43 +96,37 @@ def main() -> int:
         "--cpu", action="store_true", help="check the all-CPU programs against fp32 torch instead"
     )
     args = parser.parse_args()
+    ok = True
     if args.cpu:
         print(
             "| model | scheme | px | program | worst rel L2 vs fp32 | right |\n"
             "|---|---|---|---|---|---|"
         )
-        ok = True
-        for arch in args.arch:
-            for scheme in args.scheme:
-                for size in args.size:
-                    row, right = measure_cpu(arch, scheme, size)
-                    print(row, flush=True)
-                    ok &= right
+        for arch, scheme, size in itertools.product(args.arch, args.scheme, args.size):
+            row, right = measure_cpu(arch, scheme, size)
+            print(row, flush=True)
+            ok &= right
         return 0 if ok else 1
     print(
         "| model | scheme | px | SoC | delegates | on CPU | convolution_backward delegated "
         "| outputs | within | offending | worst rel L2 | export + lower + run s |\n"
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
-    ok = True
-    for arch in args.arch:
-        for scheme in args.scheme:
-            for size in args.size:
-                for soc in args.soc:
-                    try:
-                        row, report = measure(arch, scheme, soc, size)
-                    except Exception as err:  # one graph's failure must not hide the others
-                        print(
-                            f"| {arch} | {scheme} | {size} | {soc} | failed: "
-                            f"{type(err).__name__}: {str(err)[:300]} |",
-                            flush=True,
-                        )
-                        ok = False
-                        continue
-                    print(row, flush=True)
-                    if args.tensors:
-                        print(report.to_markdown(), flush=True)
-                    ok &= report.within
+    for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
+        try:
+            row, report = measure(arch, scheme, soc, size)
+        except Exception as err:  # one graph's failure must not hide the others
+            print(
+                f"| {arch} | {scheme} | {size} | {soc} | failed: "
+                f"{type(err).__name__}: {str(err)[:300]} |",
+                flush=True,
+            )
+            ok = False
+            continue
+        print(row, flush=True)
+        if args.tensors:
+            print(report.to_markdown(), flush=True)
+        ok &= report.within
     return 0 if ok else 1
 
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import argparse
 import collections
 
-from qnn_convbwd import cost, integration, options, weight_bytes
+from qnn_convbwd import integration, options
+from qnn_convbwd.tools import cost, weight_bytes
 
 
 def ideal(config: weight_bytes.ConvConfig) -> int:

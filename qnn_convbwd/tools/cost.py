@@ -463,7 +463,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from . import api
+    from .. import api
 
     case = models.TRAINING_MODELS[args.model](args.trainable)
     with api.enabled(**({"stride": args.stride} if args.stride else {})):

@@ -16,6 +16,7 @@ import logging
 
 import pytest
 import torch
+from test_max_pool import pool_args
 from torch import nn
 
 from qnn_convbwd import integration
@@ -31,11 +32,6 @@ CONFIGS = {
     "k3s2_ceil": ((3, 3), (2, 2), (0, 0), (1, 1), True, (10, 10)),
     "k3s1p1_d2": ((3, 3), (1, 1), (1, 1), (2, 2), False, (7, 7)),
 }
-
-
-def pool_args(config) -> list:
-    kernel, stride, padding, dilation, ceil_mode, _ = config
-    return [list(kernel), list(stride), list(padding), list(dilation), ceil_mode]
 
 
 def plane(kind: str, size, seed: int) -> torch.Tensor:

@@ -210,8 +210,8 @@ def test_phase_filters_are_slices_of_the_forward_filter(qnn_sdk):
     """runtime_weight: every phase's TransposeConv2d reads a StridedSlice of the one HWOI
     Transpose of the forward Conv2d's filter; one static tensor holds the weight."""
     from qnn_convbwd import integration
-    from qnn_convbwd.tools import weight_bytes as wb
     from qnn_convbwd.builders import input_gradient_runtime_weight as rw
+    from qnn_convbwd.tools import weight_bytes as wb
 
     config = wb.ConvConfig(32, 48, 3, stride=2, size=16)
     with integration.capture_qnn_graphs() as graphs:

@@ -196,6 +196,24 @@ def _skipped():
     return node, judge.Context(context.target, skip_ids=frozenset({node.name})), None
 
 
+@reaches(GRAPH, "training_graph_below_v69")
+def _training_on_v68():
+    from torch.export.experimental import _export_forward_backward
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return torch.relu(self.conv(x)).sum()
+
+    joint = _export_forward_backward(torch.export.export(Loss(), (torch.randn(1, 3, 6, 6),)))
+    program = to_edge(joint).exported_program()
+    relu = _first(program, _of("aten.relu.default"))
+    return relu, judge.Context(htp(program, "SM8350", 68)), None
+
+
 @reaches(GRAPH, "trainable_parameter_baked")
 def _trainable_norm():
     torch.manual_seed(0)
@@ -358,19 +376,30 @@ def test_executorchs_verdict_stands_when_no_rule_refuses(ops_program):
 
 
 def test_decide_lists_every_op_kept_on_cpu_with_its_reason():
-    """The demo graph on V68 with a skipped op: every op on CPU is in the report."""
+    """The demo graph with a skipped op: every op on CPU is in the report, on V75 and on
+    V68 (where the whole training graph stays on CPU)."""
     from qnn_convbwd.toolchain import harness
 
     graph = models.training_graph("demo", size=9)
-    report = qnn_convbwd.decide(
-        graph.program, harness.compile_specs("SM8350"), skip_node_op_set={"aten.relu.default"}
-    )
-    by_rule: dict[str, set[str]] = {}
-    for op in report.on_cpu:
-        by_rule.setdefault(op.rule, set()).add(op.op)
-    assert by_rule["htp_arch_supported"] == {"convolution_backward"}
+
+    def on_cpu(soc):
+        report = qnn_convbwd.decide(
+            graph.program, harness.compile_specs(soc), skip_node_op_set={"aten.relu.default"}
+        )
+        by_rule: dict[str, set[str]] = {}
+        for op in report.on_cpu:
+            by_rule.setdefault(op.rule, set()).add(op.op)
+        assert "aten.relu.default" in by_rule["skip_options"]
+        assert not any(op.op == "getitem" for op in report.on_cpu)
+        return report, by_rule
+
+    report, by_rule = on_cpu("SM8650")
     assert "aten.mean.default" in by_rule["no_visitor"]
-    assert "aten.relu.default" in by_rule["skip_options"]
-    assert not any(op.op == "getitem" for op in report.on_cpu)
-    assert len([op for op in report.on_cpu if op.op == "convolution_backward"]) == len(report.rows)
     assert "| no_visitor |" in report.on_cpu_markdown()
+    assert "convolution_backward" not in {op.op for op in report.on_cpu}
+
+    report, by_rule = on_cpu("SM8350")
+    assert by_rule["htp_arch_supported"] == {"convolution_backward"}
+    assert len([op for op in report.on_cpu if op.op == "convolution_backward"]) == len(report.rows)
+    assert "aten.mean.default" in by_rule["training_graph_below_v69"]
+    assert set(by_rule) == {"htp_arch_supported", "training_graph_below_v69", "skip_options"}

@@ -132,6 +132,38 @@ def skip_options(node, context):
     return None
 
 
+def _is_training_graph(node: torch.fx.Node, context: Context) -> bool:
+    """The node's graph holds a backward op the plugin lowers (or a node it lifted for
+    one kept on CPU); remembered per graph for one partitioning."""
+    key = ("training_graph", id(node.graph))
+    if key not in context.memo:
+        context.memo[key] = any(
+            _plugin_op(other) or other.meta.get(ON_CPU) for other in node.graph.nodes
+        )
+    return context.memo[key]
+
+
+@graph_rule
+def training_graph_below_v69(node, context):
+    """Below V69 a training graph runs on CPU as a whole: its backward ops stay there
+    (the op rules' ``htp_arch_supported``), and delegating its forward ops between them
+    fails QAIRT 2.51's context generation for V68 (measured on torchvision resnet18,
+    bias-only: "could not create op" for an ``aten.mul.Tensor``): one all-CPU program
+    instead of delegates interleaved with CPU backward ops."""
+    target = context.target
+    if not target.known or target.backend != "htp" or nodes.is_getitem_of(node, nodes.is_conv_bwd):
+        return None  # a getitem follows its producer
+    if target.htp_arch is not None and target.htp_arch >= support.MIN_HTP_ARCH:
+        return None
+    if not _is_training_graph(node, context):
+        return None
+    return _reject(
+        node,
+        f"a training graph stays on CPU below HTP V{support.MIN_HTP_ARCH}",
+        f"soc={target.soc}, arch=V{target.htp_arch}",
+    )
+
+
 @graph_rule
 def trainable_parameter_baked(node, context):
     """An executorch visitor that reads its operand's values would bake a trainable one."""

@@ -187,6 +187,70 @@ def _pool_wrong_size():
     return node, judge.Context(htp(program)), None
 
 
+FORWARD = "max_pool2d_with_indices"
+
+
+class _PoolAndBackward(nn.Module):
+    """A forward pool whose indices only its backward reads."""
+
+    def __init__(self, kernel):
+        super().__init__()
+        self.kernel = kernel
+
+    def forward(self, grad, x):
+        k = [self.kernel] * 2
+        values, indices = torch.ops.aten.max_pool2d_with_indices(x, k, k)
+        grad_input = torch.ops.aten.max_pool2d_with_indices_backward(
+            grad, x, k, k, [0, 0], [1, 1], False, indices
+        )
+        return values, grad_input
+
+
+@functools.cache
+def _forward_program(kernel=2, dtype=torch.float32):
+    """The pool marked ``INDICES_ON_HTP``, as the transform pass marks one it delegates."""
+    x = torch.randn(1, 2, 2 * kernel, 2 * kernel, dtype=dtype)
+    grad = torch.randn(1, 2, 2, 2, dtype=dtype)
+    with qnn_convbwd.enabled():
+        exported = torch.export.export(_PoolAndBackward(kernel), (grad, x))
+        program = to_edge(exported).exported_program()
+    _first(program, nodes.is_max_pool_with_indices).meta[meta.INDICES_ON_HTP] = True
+    return program
+
+
+def _forward(program, skip_ids=frozenset(), **target) -> tuple:
+    node = _first(program, nodes.is_max_pool_with_indices)
+    return node, judge.Context(htp(program, **target), skip_ids=skip_ids), None
+
+
+@reaches(FORWARD, "backend_is_htp")
+def _forward_gpu():
+    return _forward(_forward_program(), backend="gpu")
+
+
+@reaches(FORWARD, "htp_arch_supported")
+def _forward_v68():
+    return _forward(_forward_program(), soc="SM8350", arch=68)
+
+
+@reaches(FORWARD, "float_gradient")
+def _forward_float64():
+    return _forward(_forward_program(dtype=torch.float64))
+
+
+@reaches(FORWARD, "window_size")
+def _forward_8x8():
+    return _forward(_forward_program(kernel=8))
+
+
+@reaches(FORWARD, "indices_users_delegated")
+def _forward_backward_on_cpu():
+    program = _forward_program()
+    backward = _first(program, nodes.is_max_pool_backward)
+    # The backward's own rules delegate it; the skip options keep it on CPU.
+    return _forward(program, skip_ids=frozenset({backward.name}))
+
+
 GRAPH, ET = judge.GRAPH, judge.EXECUTORCH
 
 
@@ -340,7 +404,7 @@ def test_every_registered_rule_is_reached():
     """A rule in the registry without a node that triggers it fails here."""
     with qnn_convbwd.enabled():
         registered = set(verdict.registered())
-    assert {family for family, _ in registered} >= {CONV, POOL, GRAPH, ET}
+    assert {family for family, _ in registered} >= {CONV, POOL, FORWARD, GRAPH, ET}
     assert registered - set(REACH) == set(), "registered rules nothing reaches"
     assert set(REACH) - registered == set(), "REACH names rules that are not registered"
 
@@ -373,6 +437,19 @@ def test_executorchs_verdict_stands_when_no_rule_refuses(ops_program):
         assert judge.judge(relu, context).supported  # no backend: the rules alone
         assert judge.judge(relu, context, lambda **_: True).supported
         assert not judge.judge(relu, context, lambda **_: False, log=False).supported
+
+
+def test_forward_pool_with_a_delegated_backward_passes_its_rules():
+    """The same pool that ``indices_users_delegated`` refuses with its backward on CPU
+    is delegated when the backward is: the rule looks at the backward's verdict."""
+    program = _forward_program()
+    with qnn_convbwd.enabled():
+        node, context, _ = _forward(program)
+        assert judge.judge(node, context, log=False).supported
+        backward = _first(program, nodes.is_max_pool_backward)
+        refused = judge.judge(node, judge.Context(context.target, skip_ids={backward.name}))
+    assert refused.rejection.rule == "indices_users_delegated"
+    assert refused.rejection.values == f"backward={backward.name}"
 
 
 def test_decide_lists_every_op_kept_on_cpu_with_its_reason():

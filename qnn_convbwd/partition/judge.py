@@ -6,7 +6,8 @@ the transform pass (``passes/canonicalize.py``, before it rewrites the nodes it
 delegates) and by ``qnn_convbwd.decide``. It runs, in order:
 
 1. the op's own rules: ``support`` (convolution_backward) and ``max_pool``
-   (max_pool2d_with_indices_backward);
+   (max_pool2d_with_indices_backward, and a forward max_pool2d_with_indices the
+   transform pass gave its indices);
 2. the graph rules below (``GRAPH``), for every node: executorch's skip
    options, trainable parameters read by a visitor that bakes them, nodes the
    plugin keeps on CPU, constants that follow their consumers;

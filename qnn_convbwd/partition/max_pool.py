@@ -13,12 +13,15 @@ executorch's visitor; ``decide_forward`` delegates it (the plugin's visitor
 computes the indices, ``builders/op_max_pool_with_indices.py``) only when every
 user of the indices is a backward that is delegated too: the int32 indices then
 never leave the delegate. Otherwise the forward stays on CPU, as without the
-plugin. A pool whose indices are unused is executorch's business alone.
+plugin. A pool whose indices are unused is executorch's business alone. The
+forward's rules (``FORWARD_RULES``: the backward's target rules, then
+``indices_users_delegated``) are the registry's family ``max_pool2d_with_indices``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import operator
 from collections.abc import Callable
@@ -70,11 +73,35 @@ class Decision:
         return self.rejection is None
 
 
+@dataclasses.dataclass(frozen=True)
+class Asked:
+    """What the forward's rules know of other nodes' verdicts: ``backward`` on a backward
+    reading the indices, ``delegated`` (the partitioner's, or None) on any node."""
+
+    backward: Callable[[torch.fx.Node], bool]
+    delegated: Callable[[torch.fx.Node], bool] | None = None
+
+
 Rule = Callable[[torch.fx.Node, pg.MaxPoolBackward, Target], Rejection | None]
 RULES, rule = rules(OP)
+# The forward pool's indices: its own family in the registry, run by ``decide_forward``.
+FORWARD_RULES, forward_rule = rules(FORWARD_OP)
+
+
+def also_forward(fn: Rule) -> Rule:
+    """Register the backward's target rule ``fn`` for the forward's indices as it stands:
+    the indices are only delegated with a backward, which needs them."""
+
+    @functools.wraps(fn)
+    def on_forward(node, pool, target, asked):
+        return fn(node, pool, target)
+
+    forward_rule(on_forward)
+    return fn
 
 
 @rule
+@also_forward
 def backend_is_htp(node, pool, target):
     if not target.known:
         return _rejection("", "compile specs unknown: kept on CPU", "no compile specs")
@@ -84,6 +111,7 @@ def backend_is_htp(node, pool, target):
 
 
 @rule
+@also_forward
 def htp_arch_supported(node, pool, target):
     if target.htp_arch is None or target.htp_arch < MIN_HTP_ARCH:
         return _rejection(
@@ -95,6 +123,7 @@ def htp_arch_supported(node, pool, target):
 
 
 @rule
+@also_forward
 def float_gradient(node, pool, target):
     if pool.dtype not in FLOAT_DTYPES:
         return _rejection("", "grad_output dtype is not float32 or float16", f"dtype={pool.dtype}")
@@ -102,6 +131,7 @@ def float_gradient(node, pool, target):
 
 
 @rule
+@also_forward
 def window_size(node, pool, target):
     count = 1
     for k in pool.kernel:
@@ -156,15 +186,6 @@ def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:
 
 # --- the forward pool's indices ---------------------------------------------------------
 
-# The target rules of the backward hold for the forward's indices as they stand: the
-# indices are only delegated with a backward, which needs them.
-FORWARD_RULES: list[tuple[str, Rule]] = [
-    ("backend_is_htp", backend_is_htp),
-    ("htp_arch_supported", htp_arch_supported),
-    ("float_gradient", float_gradient),
-    ("window_size", window_size),
-]
-
 
 def between(source: torch.fx.Node, sink: torch.fx.Node) -> list[torch.fx.Node]:
     """The nodes on some path from ``source`` to ``sink`` (both excluded), in graph order."""
@@ -192,16 +213,13 @@ def _decided_with_forward(node: torch.fx.Node, forward: torch.fx.Node) -> bool:
     return bool(node.meta.get(INDICES_CAST))
 
 
-def indices_users_delegated(
-    node: torch.fx.Node,
-    backward_delegated: Callable[[torch.fx.Node], bool],
-    delegated: Callable[[torch.fx.Node], bool] | None = None,
-) -> Rejection | None:
+@forward_rule
+def indices_users_delegated(node, pool, target, asked):
     """Every user of the indices is a max pool backward reading them as its indices,
-    delegated (``backward_delegated``): int32 indices must not reach a CPU op.
+    delegated (``asked.backward``): int32 indices must not reach a CPU op.
 
-    With ``delegated`` (the partitioner's verdict on any node), also every op on a
-    path from the pool to its backward: one on CPU would put the two in different
+    With ``asked.delegated`` (the partitioner's verdict on any node), also every op on
+    a path from the pool to its backward: one on CPU would put the two in different
     delegates, and the indices would cross between them as int64 tensors.
     """
     users = indices_users(node)
@@ -218,19 +236,19 @@ def indices_users_delegated(
                 f"{user.name}: {kind}",
                 op=FORWARD_OP,
             )
-        if not backward_delegated(user):
+        if not asked.backward(user):
             return Rejection(
                 "",
                 "indices read by a backward that stays on CPU",
                 f"backward={user.name}",
                 op=FORWARD_OP,
             )
-    if delegated is None:
+    if asked.delegated is None:
         return None
     for user in users:
         for other in between(node, user):
             if other.op == "call_function" and not _decided_with_forward(other, node):
-                if not delegated(other):
+                if not asked.delegated(other):
                     kind = getattr(other.target, "__name__", str(other.target))
                     return Rejection(
                         "",
@@ -249,23 +267,21 @@ def decide_forward(
     delegated: Callable[[torch.fx.Node], bool] | None = None,
     log: bool = True,
 ) -> Decision:
-    """Whether the plugin delegates the forward pool ``node`` with its indices
-    (``indices_users_delegated`` for the two callables)."""
+    """Whether the plugin delegates the forward pool ``node`` with its indices: the
+    ``FORWARD_RULES`` in order (``Asked`` for the two callables)."""
     rejection = None
     try:
         pool = pg.parse_forward(node)
     except pg.PoolArgumentError as err:
-        pool, rejection = None, Rejection("parse", "arguments not understood", str(err))
+        pool = None
+        rejection = Rejection("parse", "arguments not understood", str(err), op=FORWARD_OP)
     if pool is not None:
+        asked = Asked(backward_delegated, delegated)
         for name, fn in FORWARD_RULES:
-            found = fn(node, pool, target)
+            found = fn(node, pool, target, asked)
             if found is not None:
                 rejection = dataclasses.replace(found, rule=name, op=FORWARD_OP)
                 break
-    if rejection is None and pool is not None:
-        found = indices_users_delegated(node, backward_delegated, delegated)
-        if found is not None:
-            rejection = dataclasses.replace(found, rule="indices_users_delegated")
     if rejection is not None and log:
         logger.info(
             rejection.message(node.name),

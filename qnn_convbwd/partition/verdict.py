@@ -4,8 +4,9 @@
 
 Rules are small named functions returning a ``Rejection`` (or None), registered
 by family: ``convolution_backward`` (``support.py``),
-``max_pool2d_with_indices_backward`` (``max_pool.py``), and the rules on every
-node and executorch's own reasons (``judge.py``). ``judge.judge`` runs them.
+``max_pool2d_with_indices_backward`` and the forward pool's indices,
+``max_pool2d_with_indices`` (``max_pool.py``), and the rules on every node and
+executorch's own reasons (``judge.py``). ``judge.judge`` runs them.
 """
 
 from __future__ import annotations

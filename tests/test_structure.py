@@ -123,6 +123,36 @@ def test_the_runtime_never_imports_the_tools():
     assert "qnn_convbwd.tools.models" in among_tools["qnn_convbwd.tools.cost"]
 
 
+PACKAGE_ALONE = """
+import sys
+import qnn_convbwd
+print(sorted({m.split(".")[0] for m in sys.modules} & {"torch", "executorch"}))
+"""
+
+
+def test_importing_the_package_loads_neither_torch_nor_executorch():
+    """``import qnn_convbwd`` is cheap (the doctor, the stdlib-only modules, child
+    processes); each public name loads its module on first use."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", PACKAGE_ALONE], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["[]"]
+
+    import qnn_convbwd
+
+    assert sorted(qnn_convbwd._PUBLIC) == sorted(qnn_convbwd.__all__)
+    for name in qnn_convbwd.__all__:
+        value = getattr(qnn_convbwd, name)
+        assert value.__module__ == f"qnn_convbwd.{qnn_convbwd._PUBLIC[name]}", name
+    assert qnn_convbwd.integration.__name__ == "qnn_convbwd.integration"  # a submodule
+    with pytest.raises(AttributeError, match="no attribute 'no_such_name'"):
+        qnn_convbwd.no_such_name  # noqa: B018
+
+
 LOWERING = """
 import sys
 import torch

@@ -3,7 +3,10 @@
 ``htp``: needs the real QNN compiler, simulator or Saver. Every test using the
 ``qnn_sdk`` fixture (directly or through another fixture) gets the mark here;
 tests that reach the toolchain otherwise carry it explicitly.
-``slow``: long runs, skipped unless ``--slow`` is given.
+``slow``: long runs, skipped unless ``--slow`` is given: the long property runs,
+and sweeps that repeat one simulator check over more SoCs or configurations than
+the default tier's representative ones. ``pytest.mark.slow(reason=...)`` says
+which; the skip names it.
 ``python -m pytest -m "not htp"`` is the quick tier (no QNN compile).
 """
 
@@ -24,10 +27,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.htp)
     if config.getoption("--slow"):
         return
-    skip = pytest.mark.skip(reason="long run: select with --slow")
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        mark = item.get_closest_marker("slow")
+        if mark is not None:
+            why = mark.kwargs.get("reason")
+            what = f"long run ({why})" if why else "long run"
+            item.add_marker(pytest.mark.skip(reason=f"{what}: select with --slow"))
 
 
 @functools.lru_cache(maxsize=1)
@@ -59,3 +64,24 @@ def plugin():
 
     with qnn_convbwd.enabled():
         yield qnn_convbwd
+
+
+@pytest.fixture(scope="session")
+def resnet18_bias_only():
+    """``zoo.bias_only("resnet18")`` at 32x32, built once for test_zoo and test_max_pool_zoo."""
+    import zoo
+
+    try:
+        return zoo.bias_only("resnet18", 32)
+    except zoo.TorchvisionUnavailable as err:
+        pytest.skip(str(err))
+
+
+@pytest.fixture(scope="session")
+def resnet18_bias_only_on_sm8650(qnn_sdk, resnet18_bias_only):
+    """That graph lowered for SM8650 and run once on the simulator: (compiled, outputs).
+    test_zoo checks every tensor's fidelity, test_max_pool_zoo the pool backward's."""
+    from qnn_convbwd.toolchain import harness
+
+    compiled = harness.lower_program(resnet18_bias_only.program, "SM8650")
+    return compiled, compiled.run(list(resnet18_bias_only.inputs))

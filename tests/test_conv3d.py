@@ -21,6 +21,7 @@ import copy
 import pytest
 import torch
 from programs import ALL_MASKS, Config, ConvBackwardBank, assert_bank_matches, generate_3d_configs
+from tiers import sweep
 
 import qnn_convbwd
 from qnn_convbwd import integration
@@ -73,7 +74,7 @@ def _assert_structure(graphs, configs: list[Config]) -> None:
 
 
 @pytest.mark.htp
-@pytest.mark.parametrize("soc", ["SM8550", "SM8850"])  # V73 and V81
+@pytest.mark.parametrize("soc", sweep(["SM8850"], ["SM8550"]))  # V81; V73 with --slow
 def test_conv3d_backward_matches_aten(qnn_sdk, soc):
     from qnn_convbwd.toolchain import harness
 

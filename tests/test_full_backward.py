@@ -17,8 +17,8 @@ import copy
 import pytest
 import torch
 from programs import Config, ConvBackwardBank, assert_bank_matches
+from tiers import ANOTHER_ARCH, sweep
 
-import qnn_convbwd
 from qnn_convbwd.tools import models
 
 BOUND_FACTOR = 4.0
@@ -41,7 +41,7 @@ def _check(compiled, bank: ConvBackwardBank) -> float:
     return assert_bank_matches(compiled, bank, BOUND_FACTOR)
 
 
-@pytest.mark.parametrize("soc", ["SM8550", "SM8850"])  # V73 and V81
+@pytest.mark.parametrize("soc", sweep(["SM8850"], ["SM8550"]))  # V81; V73 with --slow
 def test_weight_bias_and_dilated_gradients_match_aten(qnn_sdk, soc):
     from qnn_convbwd.toolchain import harness
 
@@ -58,9 +58,8 @@ def test_split_keeps_each_gradient_in_its_own_node(qnn_sdk):
     from qnn_convbwd.toolchain import harness
 
     bank = ConvBackwardBank([CONFIGS[0]])
-    result = qnn_convbwd.lower(bank.export(), harness.compile_specs("SM8650"))
-    assert [r.delegated for r in result.report.rows] == [True]
-    compiled = harness.lower_program(bank.export(), "SM8650")
+    compiled = harness.lower_program(bank.export(), "SM8650")  # through qnn_convbwd.lower
+    assert [r.delegated for r in compiled.report.rows] == [True]
     _check(compiled, bank)
 
 
@@ -73,8 +72,16 @@ def _rounded_reference_error(graph: models.TrainingGraph) -> list[float]:
     return [(a - b).abs().max().item() for a, b in zip(rounded, graph.reference(), strict=True)]
 
 
-@pytest.mark.parametrize("backbone", ["resnet", "mobilenet"])
-@pytest.mark.parametrize("soc", ["SM8550", "SM8850"])
+# Each backbone on one SoC, each SoC once; the other two pairs with --slow.
+@pytest.mark.parametrize(
+    ("backbone", "soc"),
+    [
+        ("resnet", "SM8550"),
+        ("mobilenet", "SM8850"),
+        pytest.param("resnet", "SM8850", marks=pytest.mark.slow(reason=ANOTHER_ARCH)),
+        pytest.param("mobilenet", "SM8550", marks=pytest.mark.slow(reason=ANOTHER_ARCH)),
+    ],
+)
 def test_fully_trainable_network_runs_every_backward_on_htp(qnn_sdk, backbone, soc):
     from qnn_convbwd.toolchain import harness
 

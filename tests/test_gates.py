@@ -17,6 +17,7 @@ import textwrap
 import cases
 import pytest
 import torch
+from tiers import sweep
 
 from qnn_convbwd.partition import support
 from qnn_convbwd.partition.target import Target
@@ -264,8 +265,12 @@ def _soc_arch() -> dict[str, int]:
     return SOC_ARCH
 
 
+# The two sides of the gate, V68 and V69; the later arches (delegated like V69) with
+# --slow. Every SoC compiles and runs in test_toolchain.py's small CNN.
 @pytest.mark.htp
-@pytest.mark.parametrize("soc", list(_soc_arch()))
+@pytest.mark.parametrize(
+    "soc", sweep(["SM8350", "SM8450"], [s for s in _soc_arch() if _soc_arch()[s] > 69])
+)
 def test_htp_arch_gate(soc: str, qnn_sdk, caplog, define_node_calls):
     arch = _soc_arch()[soc]
     built = cases.build(cases.ConvConfig(stride=(2, 2), input_size=(9, 9)))

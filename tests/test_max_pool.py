@@ -16,6 +16,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from tiers import sweep
 from torch import nn
 
 from qnn_convbwd import integration
@@ -233,7 +234,7 @@ def _backwards_left(edge) -> int:
     return sum(c for name, c in _top_level_targets(edge).items() if BACKWARD in name)
 
 
-@pytest.mark.parametrize("soc", ["SM8650", "SM8850"])  # V75 and V81
+@pytest.mark.parametrize("soc", sweep(["SM8850"], ["SM8650"]))  # V81; V75 with --slow
 def test_zoo_configs_on_htp_match_aten(qnn_sdk, soc):
     from qnn_convbwd.toolchain import harness
 

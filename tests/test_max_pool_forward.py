@@ -12,11 +12,13 @@ position is the forward's index, compared with torch's exactly.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 
 import pytest
 import torch
 from test_max_pool import pool_args
+from tiers import sweep
 from torch import nn
 
 from qnn_convbwd import integration
@@ -108,16 +110,27 @@ def _pool_ops_left(edge) -> int:
     return sum(c for name, c in _top_level_targets(edge).items() if "max_pool2d" in name)
 
 
-@pytest.mark.parametrize("soc", ["SM8650", "SM8850"])
+@functools.cache
+def _probe_lowered(soc: str):
+    """The probe of every config, lowered once per SoC: the input kinds share its shapes."""
+    from qnn_convbwd.toolchain import harness
+
+    configs = list(CONFIGS.values())
+    probe = ProbeIndices(configs)
+    with integration.capture_qnn_graphs() as graphs:
+        program = torch.export.export(probe, probe_inputs(configs, "random", seed=0))
+        compiled = harness.lower_program(program, soc)
+    return compiled, graphs
+
+
+@pytest.mark.parametrize("soc", sweep(["SM8650"], ["SM8850"]))  # V75; V81 with --slow
 @pytest.mark.parametrize("kind", ["random", "relu", "few_values"])
 def test_forward_indices_equal_torchs(qnn_sdk, soc, kind):
     from qnn_convbwd.toolchain import harness
 
     configs = list(CONFIGS.values())
-    probe = ProbeIndices(configs)
     inputs = probe_inputs(configs, kind, seed=0)
-    with integration.capture_qnn_graphs() as graphs:
-        compiled = harness.lower_program(torch.export.export(probe, inputs), soc)
+    compiled, graphs = _probe_lowered(soc)
     assert harness.delegate_count(compiled.edge) == 1
     assert _pool_ops_left(compiled.edge) == 0, _top_level_targets(compiled.edge)
     ops = collections.Counter(op.op_type for graph in graphs for op in graph)

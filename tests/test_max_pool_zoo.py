@@ -15,7 +15,6 @@ import copy
 
 import pytest
 import torch
-import zoo
 from torch import nn
 
 from qnn_convbwd.tools import models
@@ -26,11 +25,9 @@ UPSTREAM = "net.bn1.bias"  # before the max pool
 
 
 @pytest.fixture(scope="module")
-def resnet18() -> models.TrainingGraph:
-    try:
-        return zoo.bias_only("resnet18", SIZE)
-    except zoo.TorchvisionUnavailable as err:
-        pytest.skip(str(err))
+def resnet18(resnet18_bias_only) -> models.TrainingGraph:
+    assert resnet18_bias_only.inputs[0].shape[-1] == SIZE
+    return resnet18_bias_only
 
 
 def _gradients(graph: models.TrainingGraph, outputs) -> dict[str, torch.Tensor]:
@@ -92,11 +89,8 @@ def _backwards_left(compiled) -> int:
 
 
 @pytest.fixture(scope="module")
-def resnet18_on_sm8650(qnn_sdk, resnet18):
-    from qnn_convbwd.toolchain import harness
-
-    compiled = harness.lower_program(resnet18.program, "SM8650")
-    return compiled, compiled.run(resnet18.inputs)
+def resnet18_on_sm8650(resnet18_bias_only_on_sm8650):
+    return resnet18_bias_only_on_sm8650  # one lowering and run, shared with test_zoo.py
 
 
 def test_resnet18_pool_backward_is_delegated(resnet18_on_sm8650, resnet18):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiers import sweep
 from torch import nn
 
 import qnn_convbwd
@@ -174,7 +175,7 @@ def test_executorch_batch_norm_uses_eps_1e_9(qnn_sdk):
 
 
 @pytest.mark.htp
-@pytest.mark.parametrize("soc", ["SM8450", "SM8850"])  # V69 and V81
+@pytest.mark.parametrize("soc", sweep(["SM8450"], ["SM8850"]))  # V69; V81 with --slow
 def test_plugin_batch_norm_is_at_the_fp16_floor(qnn_sdk, soc):
     from qnn_convbwd.toolchain import harness
 

@@ -74,7 +74,8 @@ def test_the_training_example_is_short_and_uses_the_public_api():
 
 @pytest.mark.htp
 def test_the_readme_training_example_runs_as_a_script(qnn_sdk, tmp_path):
-    """The README's TrainingModule example, as a user would paste it: five finite losses."""
+    """The README's TrainingModule example, as a user would paste it: five finite
+    losses, and the last below the first (it trains)."""
     script = tmp_path / "example.py"
     script.write_text(_training_example())
     proc = subprocess.run(
@@ -84,3 +85,4 @@ def test_the_readme_training_example_runs_as_a_script(qnn_sdk, tmp_path):
     steps = [line.split() for line in proc.stdout.splitlines() if line[:1].isdigit()]
     assert [int(s[0]) for s in steps] == list(range(5)), proc.stdout
     assert all(math.isfinite(float(s[1])) for s in steps), proc.stdout
+    assert float(steps[-1][1]) < float(steps[0][1]), proc.stdout

@@ -185,30 +185,6 @@ def test_cross_entropy_to_executorch_without_convolution(qnn_sdk):
     assert_trains_like_torch(run)
 
 
-def test_readme_example_trains(qnn_sdk, tmp_path):
-    """The README's fine-tuning example, run as a script as written, trains (its loss falls)."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Fine-tune with ExecuTorch's TrainingModule", 1)[1]
-    (code,) = re.findall(r"```python\n(.*?)```", section.split("\n## ", 1)[0], re.S)
-    script = tmp_path / "example.py"
-    script.write_text(code)
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    losses = [
-        float(line.split()[1])
-        for line in done.stdout.splitlines()
-        if re.match(r"^\d+ [-\d.]+$", line)
-    ]
-    assert len(losses) == 5 and losses[-1] < losses[0], done.stdout
-
-
 def test_stock_executorch_flow_after_enable_trains(qnn_sdk):
     """The user's own ExecuTorch code after ``enable()`` (QnnPassManager passes,
     ``to_edge_transform_and_lower`` with ``QnnPartitioner``) gives a program that

@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiers import sweep
 from torch import nn
 
 from qnn_convbwd import options
@@ -135,7 +136,7 @@ def _bank_inputs(bank: Bank) -> list[torch.Tensor]:
 
 
 @pytest.mark.htp
-@pytest.mark.parametrize("soc", ["SM8450", "SM8850"])  # V69 and V81
+@pytest.mark.parametrize("soc", sweep(["SM8450"], ["SM8850"]))  # V69; V81 with --slow
 def test_runtime_weight_matches_torch(qnn_sdk, soc):
     from qnn_convbwd import api
     from qnn_convbwd.toolchain import harness

@@ -9,35 +9,25 @@ batches, every bias trained, MSE); docs/zoo.md has the measured table and
 
 from __future__ import annotations
 
-import pytest
 import zoo
 
 from qnn_convbwd.toolchain import harness
 from qnn_convbwd.tools import fidelity
 
-SOC = "SM8650"
 
-
-def _graph(arch: str):
-    try:
-        return zoo.bias_only(arch)
-    except zoo.TorchvisionUnavailable as err:
-        pytest.skip(str(err))
-
-
-def _check(arch: str, delegates: int, convolution_backwards: int) -> None:
-    graph = _graph(arch)
-    compiled = harness.lower_program(graph.program, SOC)
+def _check(graph, compiled, outputs, delegates: int, convolution_backwards: int) -> None:
     assert harness.delegate_count(compiled.edge) == delegates
     rows = compiled.report.rows
     assert len(rows) == convolution_backwards
     assert all(r.delegated for r in rows), [r.summary for r in rows if not r.delegated]
-    outputs = zoo.joint_outputs(graph, compiled.run(list(graph.inputs)))
+    outputs = zoo.joint_outputs(graph, outputs)
     report = fidelity.assess_model(graph.model, graph.inputs, graph.program, outputs)
     assert report.within, report.offending
 
 
-def test_resnet18_bias_only_within_fidelity(qnn_sdk):
+def test_resnet18_bias_only_within_fidelity(resnet18_bias_only, resnet18_bias_only_on_sm8650):
+    """Lowered for SM8650 and run once, shared with test_max_pool_zoo.py (conftest)."""
+    compiled, outputs = resnet18_bias_only_on_sm8650
     # 1 delegate: the forward max pool goes to the HTP with its indices (docs/max_pool.md);
     # the MSE loss's mean, an output no gradient depends on, stays on CPU.
-    _check("resnet18", delegates=1, convolution_backwards=19)
+    _check(resnet18_bias_only, compiled, outputs, delegates=1, convolution_backwards=19)

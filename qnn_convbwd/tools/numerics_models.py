@@ -108,12 +108,13 @@ class Graph:
     program: torch.export.ExportedProgram  # joint forward-backward graph
 
 
-def bn_training_graph(size: int = 8, train: str = "bias", seed: int = 0) -> Graph:
-    """Joint graph of ``mobilenet_bn`` in eval mode; its BN ``bias`` (or ``affine``) trains."""
+def bn_training_graph(size: int = 8, train: str = "bias", seed: int = 0, backbone_fn=None) -> Graph:
+    """Joint graph of ``mobilenet_bn`` (or ``backbone_fn()``) in eval mode; its BN
+    ``bias`` (or ``affine``) trains."""
     from torch.export.experimental import _export_forward_backward
 
     torch.manual_seed(seed)
-    backbone = mobilenet_bn()
+    backbone = (backbone_fn or mobilenet_bn)()
     calibrate(backbone, (4, 3, size, size), seed=seed)
     model = BiasOnly(backbone, train)
     x = torch.randn(1, 3, size, size)

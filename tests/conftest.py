@@ -85,3 +85,23 @@ def resnet18_bias_only_on_sm8650(qnn_sdk, resnet18_bias_only):
 
     compiled = harness.lower_program(resnet18_bias_only.program, "SM8650")
     return compiled, compiled.run(list(resnet18_bias_only.inputs))
+
+
+@pytest.fixture(scope="session")
+def cifar_on_sm8650(qnn_sdk):
+    """``lowered(trainable)``: ExecuTorch's CIFAR-10 model (``models.cifar_case``), its
+    joint program and a copy of it lowered for SM8650, once per scheme and session;
+    test_max_pool_forward checks the trainable one's fidelity, test_training trains
+    both. The program itself stays as exported."""
+    import copy
+
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd.tools import models
+
+    @functools.cache
+    def lowered(trainable: bool):
+        case = models.cifar_case(trainable)
+        program = case.joint()
+        return case, program, harness.lower_program(copy.deepcopy(program), "SM8650")
+
+    return lowered

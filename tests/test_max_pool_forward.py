@@ -321,16 +321,16 @@ def _every_op_but_pools(program) -> set[str]:
     return names - {f"aten.{FORWARD}.default", f"aten.{BACKWARD}.default"}
 
 
-def test_cifar_training_graph_is_one_delegate_within_fidelity(qnn_sdk):
+def test_cifar_training_graph_is_one_delegate_within_fidelity(cifar_on_sm8650):
     """ExecuTorch's CIFAR10Model with cross-entropy: three pools with their indices and
-    the loss tail (``full_reductions``) in one delegate; nothing left on CPU."""
+    the loss tail (``full_reductions``) in one delegate; nothing left on CPU. (The
+    lowering is shared with test_training.py's training of the same program.)"""
     from qnn_convbwd import api
     from qnn_convbwd.toolchain import harness
-    from qnn_convbwd.tools import fidelity, models
+    from qnn_convbwd.tools import fidelity
     from qnn_convbwd.tools.train_cli import cpu_ops
 
-    case = models.cifar_case(trainable=True)
-    program = case.joint()
+    case, program, compiled = cifar_on_sm8650(True)
     transformed = api.transformed(program, harness.compile_specs("SM8650"))
     compared = [
         a.meta["val"].dtype
@@ -339,7 +339,6 @@ def test_cifar_training_graph_is_one_delegate_within_fidelity(qnn_sdk):
         for a in n.args
     ]
     assert compared and set(compared) == {torch.int32}  # ignore_index not turned float
-    compiled = harness.lower_program(program, "SM8650")
     assert harness.delegate_count(compiled.edge) == 1
     assert cpu_ops(compiled.edge) == []
     outputs = compiled.run(list(case.inputs))

@@ -112,19 +112,17 @@ def test_frozen_weight_static_and_stored_once(qnn_sdk):
 
 
 @pytest.mark.parametrize("trainable", [True, False], ids=["trainable", "frozen-features"])
-def test_executorch_cifar_example_trains_like_torch(trainable, qnn_sdk):
+def test_executorch_cifar_example_trains_like_torch(trainable, cifar_on_sm8650):
     """ExecuTorch's own CIFAR-10 model (3 conv + 2x2 max pool, 2 linear with biases),
     cross-entropy with int64 labels, batch 4, 32x32: every convolution_backward and
-    max-pool backward delegated."""
-    case = models.cifar_case(trainable)
-    result, _ = lower(case)
-    assert result.report.delegated == len(result.report.rows)
-    top = result.edge.exported_program().graph
+    max-pool backward delegated. (The trainable lowering is shared with
+    test_max_pool_forward.py's fidelity check.)"""
+    case, _, compiled = cifar_on_sm8650(trainable)
+    assert compiled.report.delegated == len(compiled.report.rows)
+    top = compiled.edge.exported_program().graph
     kept = {getattr(n.target, "__name__", "") for n in top.nodes if n.op == "call_function"}
     assert not any("backward" in name for name in kept), kept
-    run = training.train_side_by_side(
-        result.edge.to_executorch().buffer, case.model, case.inputs, STEPS, 0.05
-    )
+    run = training.train_side_by_side(compiled.pte, case.model, case.inputs, STEPS, 0.05)
     assert_trains_like_torch(run)
 
 

@@ -140,7 +140,7 @@ def autograd_reference(
     return out
 
 
-def training_graph(
+def reference_model(
     backbone: str = "demo",
     size: int = 15,
     batch: int = 1,
@@ -148,10 +148,8 @@ def training_graph(
     trainable_backbone: bool = False,
     seed: int = 0,
     **backbone_args,
-) -> TrainingGraph:
-    """Build, export and differentiate one reference model."""
-    from torch.export.experimental import _export_forward_backward
-
+) -> tuple[str, AdapterNet, tuple[torch.Tensor, torch.Tensor]]:
+    """One reference model, its inputs and its name, not exported (``training_graph``)."""
     torch.manual_seed(seed)
     model = AdapterNet(
         channels, BACKBONES[backbone](channels=channels, **backbone_args), trainable_backbone
@@ -159,10 +157,17 @@ def training_graph(
     x = torch.randn(batch, channels, size, size)
     with torch.no_grad():
         target = torch.randn_like(model.backbone(model.adapter(x)))
-    program = torch.export.export(model, (x, target), strict=True)
-    joint = _export_forward_backward(program)
     name = f"{backbone}-{size}px-{'trainable' if trainable_backbone else 'frozen'}"
-    return TrainingGraph(name, model, (x, target), joint)
+    return name, model, (x, target)
+
+
+def training_graph(*args, **kwargs) -> TrainingGraph:
+    """Build, export and differentiate one reference model (``reference_model``'s arguments)."""
+    from torch.export.experimental import _export_forward_backward
+
+    name, model, inputs = reference_model(*args, **kwargs)
+    program = torch.export.export(model, inputs, strict=True)
+    return TrainingGraph(name, model, inputs, _export_forward_backward(program))
 
 
 # --- 1-D (audio-style) stacks -------------------------------------------------------
@@ -287,9 +292,12 @@ def cifar_case(trainable: bool, batch: int = 4, size: int = 32, seed: int = 0) -
 def adapter_case(
     backbone: str = "demo", trainable: bool = False, size: int = 15, **kwargs
 ) -> TrainingCase:
-    """The MSE reference models of ``training_graph`` as a TrainingCase."""
-    graph = training_graph(backbone, size=size, trainable_backbone=trainable, **kwargs)
-    return TrainingCase(graph.name, graph.model, graph.inputs)
+    """The MSE reference models of ``training_graph`` as a TrainingCase (exported by
+    ``TrainingCase.joint``, not here)."""
+    name, model, inputs = reference_model(
+        backbone, size=size, trainable_backbone=trainable, **kwargs
+    )
+    return TrainingCase(name, model, inputs)
 
 
 TRAINING_MODELS: dict[str, Callable[..., TrainingCase]] = {

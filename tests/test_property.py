@@ -5,7 +5,7 @@ breaks the lowering.
 Three tiers, cheapest first. Each runs at a default size and as a long run
 marked ``slow`` (skipped unless ``--slow``); example counts default / long:
 
-1. ``test_decisions`` (150 / 3000): ``decide`` on the exported node agrees with
+1. ``test_decisions`` (60 / 3000): ``decide`` on the exported node agrees with
    an independent reading of the configuration, logs one line per rejection,
    and for delegated nodes the transposed-convolution plan reproduces
    ``aten.convolution_backward``'s grad_input (through a model of QNN
@@ -61,7 +61,7 @@ WORST: dict[str, float] = collections.defaultdict(float)
 
 # Every property test runs at its default size and, marked slow, as a long run.
 RUN_SIZES = pytest.mark.parametrize(
-    "size", ["default", pytest.param("long", marks=pytest.mark.slow)]
+    "size", ["default", pytest.param("long", marks=pytest.mark.slow(reason="long property run"))]
 )
 
 
@@ -613,7 +613,8 @@ def target_for(soc: str) -> Target:
 
 @RUN_SIZES
 def test_decisions(size):
-    n = _examples(size, 150, 3000)
+    # 60 by default (an export each, the quick tier's longest test at 150); 3000 with --slow.
+    n = _examples(size, 60, 3000)
     stats = STATS["1 decisions"]
 
     @_settings(n)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,3 +235,54 @@ def test_cli_prints_the_report(demo_cost, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "### demo-15px-frozen on SM8650" in out
     assert "* on CPU (backward on CPU): convolution_backward, mean" in out
+
+
+def _saver_graph(tensors: dict[str, np.ndarray]):
+    from qnn_convbwd.toolchain import saver
+
+    float32 = next(code for code, (name, _) in saver.DATA_TYPES.items() if name == "FLOAT_32")
+    made = {
+        name: saver.SaverTensor(name, "STATIC", float32, a.shape, np.float32(a).tobytes())
+        for name, a in tensors.items()
+    }
+    made["x"] = saver.SaverTensor("x", "APP_WRITE", float32, (1, 4), None)
+    ops = [
+        saver.SaverOp(f"op_{n}", "Conv2d", "qti.aisw", ["x", n], [f"y_{n}"], {}, []) for n in made
+    ]
+    for name in list(made):
+        if name != "x":
+            made[f"y_{name}"] = saver.SaverTensor(f"y_{name}", "NATIVE", float32, (1,), None)
+    return saver.SaverGraph("g", made, ops)
+
+
+def test_weight_copies_finds_a_weights_values_under_any_name_and_layout():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3), torch.nn.Conv2d(64, 8, 3))
+    model[0].requires_grad_(False)
+    model[1].weight.requires_grad_(False)  # frozen too, small: not "large"
+    big = model[0].weight.detach().numpy()  # 64x64x3x3: 72 KiB in fp16
+    small = model[1].weight.detach().numpy()
+    flat = np.zeros(18 * 2048 + 2048, np.float32)  # runtime_weight's padded flat tensor
+    flat[: big.size] = big.ravel()
+    graph = _saver_graph(
+        {
+            "p_0_weight_flat": flat.reshape(1, -1, 8, 32),
+            "some_permute": big.transpose(2, 3, 1, 0),  # a copy under another name
+            "phase_taps": big[:, :, ::2, ::2],  # a slice of it
+            "p_1_weight": small,
+            "unrelated": np.random.default_rng(0).standard_normal((16, 16)),
+            "p_0_bias": model[0].bias.detach().numpy(),  # 1-D: not a convolution weight
+        }
+    )
+    found = cost.weight_copies(model, graph)
+    by_name = {w.parameter: w for w in found.weights}
+    assert set(by_name) == {"0.weight", "1.weight"}
+    first = by_name["0.weight"]
+    assert {t[0] for t in first.tensors} == {"p_0_weight_flat", "some_permute", "phase_taps"}
+    assert first.size == big.size * 4 and first.large and not by_name["1.weight"].large
+    assert first.static == (flat.size + big.size + big[:, :, ::2, ::2].size) * 4
+    assert first.ratio == pytest.approx(first.static / first.size - 1)
+    assert first.coverage == 1.0
+    assert by_name["1.weight"].ratio == 0.0
+    assert [name for name, _ in found.unattributed] == ["unrelated", "p_0_bias"]
+    assert found.worst() is first

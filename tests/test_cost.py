@@ -260,6 +260,8 @@ def test_weight_copies_finds_a_weights_values_under_any_name_and_layout():
     model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3), torch.nn.Conv2d(64, 8, 3))
     model[0].requires_grad_(False)
     model[1].weight.requires_grad_(False)  # frozen too, small: not "large"
+    with torch.no_grad():  # weights share values: a value alone does not name its weight
+        model[1].weight.view(-1)[::2] = model[0].weight.view(-1)[: model[1].weight.numel() // 2]
     big = model[0].weight.detach().numpy()  # 64x64x3x3: 72 KiB in fp16
     small = model[1].weight.detach().numpy()
     flat = np.zeros(18 * 2048 + 2048, np.float32)  # runtime_weight's padded flat tensor
@@ -282,7 +284,7 @@ def test_weight_copies_finds_a_weights_values_under_any_name_and_layout():
     assert first.size == big.size * 4 and first.large and not by_name["1.weight"].large
     assert first.static == (flat.size + big.size + big[:, :, ::2, ::2].size) * 4
     assert first.ratio == pytest.approx(first.static / first.size - 1)
-    assert first.coverage == 1.0
+    assert first.coverage == 1.0 and first.readers == 3  # one op reads each tensor
     assert by_name["1.weight"].ratio == 0.0
     assert [name for name, _ in found.unattributed] == ["unrelated", "p_0_bias"]
     assert found.worst() is first

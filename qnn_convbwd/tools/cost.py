@@ -284,11 +284,12 @@ class WeightCopies:
     parameter: str
     shape: tuple[int, ...]
     size: int  # numel * 4: the weight as the fp32 static tensor executorch declares
-    tensors: tuple[tuple[str, int, float], ...]  # (name, bytes, share of the weight's values)
+    # (name, bytes, share of the weight's values, ops reading it)
+    tensors: tuple[tuple[str, int, float, int], ...]
 
     @property
     def static(self) -> int:
-        return sum(nbytes for _, nbytes, _ in self.tensors)
+        return sum(t[1] for t in self.tensors)
 
     @property
     def extra(self) -> int:
@@ -303,7 +304,13 @@ class WeightCopies:
     @property
     def coverage(self) -> float:
         """Largest share of the weight's values one tensor holds (1.0: a whole copy)."""
-        return max((share for _, _, share in self.tensors), default=0.0)
+        return max((t[2] for t in self.tensors), default=0.0)
+
+    @property
+    def readers(self) -> int:
+        """Ops reading its static tensors: the HTP prepares a static tensor once per
+        reading op type (docs/weight_bytes.md), so 1 leaves it nothing to copy."""
+        return sum(t[3] for t in self.tensors)
 
     @property
     def large(self) -> bool:
@@ -323,6 +330,16 @@ class StaticByValue:
         return max(self.large(), key=lambda w: w.ratio, default=None)
 
 
+def _share(sorted_values, x) -> float:
+    """Share of the elements of ``x`` that occur in ``sorted_values``."""
+    import numpy as np
+
+    if not x.size or not sorted_values.size:
+        return 0.0
+    at = np.clip(np.searchsorted(sorted_values, x), 0, sorted_values.size - 1)
+    return float(np.mean(sorted_values[at] == x))
+
+
 def weight_copies(model: nn.Module, graph: object, min_elements: int = 64) -> StaticByValue:
     """Attribute the float static tensors of a Saver recording to frozen conv weights by value.
 
@@ -331,10 +348,11 @@ def weight_copies(model: nn.Module, graph: object, min_elements: int = 64) -> St
     sliced, zero-dilated or padded copy made by any pass has a name of its own
     but holds the weight's values. Each static float tensor of at least
     ``min_elements`` elements goes to the frozen weight (dim >= 3: convolutions)
-    that holds the most of its nonzero values, if that is at least
-    ``VALUE_SHARE`` of them; its bytes (padding included) count for that weight.
-    Random weights make a value a fingerprint: a value two weights share is
-    rare, and a copy holds thousands.
+    of which it holds the largest share of its nonzero values, if that share is
+    at least ``VALUE_SHARE``; its bytes (padding included) count for that weight.
+    Shares are per weight: two weights of similar scale share many fp32 values
+    (resnet18's 11 M frozen values do), so a value alone does not name its
+    weight, but a copy's values all lie in one weight.
     """
     import numpy as np
 
@@ -343,14 +361,8 @@ def weight_copies(model: nn.Module, graph: object, min_elements: int = 64) -> St
         for name, p in model.named_parameters()
         if not p.requires_grad and p.dim() >= 3
     ]
-    if frozen:
-        values = np.concatenate([v for _, v in frozen])
-        owner = np.concatenate(
-            [np.full(v.size, i, dtype=np.int32) for i, (_, v) in enumerate(frozen)]
-        )
-        order = np.argsort(values, kind="stable")
-        values, owner = values[order], owner[order]
-    found: dict[int, list[tuple[str, int, float]]] = {i: [] for i in range(len(frozen))}
+    ordered = [np.sort(v) for _, v in frozen]
+    found: dict[int, list[tuple[str, int, float, int]]] = {i: [] for i in range(len(frozen))}
     unattributed = []
     for tensor in graph.static_inputs():  # type: ignore[attr-defined]
         if not tensor.dtype_name.startswith("FLOAT") or tensor.numel < min_elements:
@@ -359,15 +371,13 @@ def weight_copies(model: nn.Module, graph: object, min_elements: int = 64) -> St
         nonzero = data[data != 0]
         best, share = -1, 0.0
         if frozen and nonzero.size:
-            at = np.clip(np.searchsorted(values, nonzero), 0, values.size - 1)
-            hit = values[at] == nonzero
-            counts = np.bincount(owner[at[hit]], minlength=len(frozen))
-            best = int(counts.argmax())
-            share = counts[best] / nonzero.size
+            sample = nonzero[:: max(1, nonzero.size // 4096)]  # to pick the candidate
+            best = int(np.argmax([_share(values, sample) for values in ordered]))
+            share = _share(ordered[best], nonzero)
         if best >= 0 and share >= VALUE_SHARE:
-            weight_values = frozen[best][1]
-            covered = np.isin(weight_values, nonzero).mean()
-            found[best].append((tensor.name, len(tensor.data or b""), float(covered)))
+            covered = _share(np.sort(nonzero), frozen[best][1])
+            readers = len(graph.consumers(tensor.name))  # type: ignore[attr-defined]
+            found[best].append((tensor.name, len(tensor.data or b""), covered, readers))
         else:
             unattributed.append((tensor.name, len(tensor.data or b"")))
     params = dict(model.named_parameters())

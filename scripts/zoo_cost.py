@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Cost of torchvision models' training steps: MACs, stored weight bytes, memory, time.
+
+For one architecture, scheme, input size and SoC (``tests/zoo.graph``), three
+lowerings of the joint graph:
+
+* the plugin (``qnn_convbwd.lower``), QNN graphs captured: multiply-adds of the
+  lowered program against the ideal step (``tools.cost``), context bytes,
+  executorch's planned memory, delegates, wall time;
+* every backward kept on CPU (``cost.BACKWARD_ON_CPU``): planned memory,
+  delegates, time (``--no-cpu-baseline`` skips it);
+* the plugin with QNN's Saver backend, in a child process
+  (``toolchain.saver.record``; first partition only): the static tensors QNN
+  receives, with their data, attributed to the frozen weights by value
+  (``cost.weight_copies``): the per-weight bytes of the 0.05 rule.
+
+Prints one markdown row of the cost table (``docs/cost.md``) and, with
+``--json FILE``, appends the details (every frozen weight's tensors) as one line.
+
+    PYTHONPATH=. python scripts/zoo_cost.py resnet18 adapter --soc SM8650 --size 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import zoo  # noqa: E402
+
+from qnn_convbwd.toolchain import saver  # noqa: E402
+from qnn_convbwd.tools import cost  # noqa: E402
+
+HEADER = (
+    "| model | scheme | px | SoC | MACs lowered / ideal | frozen conv weights >= 64 KiB "
+    "| worst extra static B / size (weight) | <= 0.05 | other static B "
+    "| context B | planned memory B: plugin / backward on CPU | delegates: plugin / CPU "
+    "| convolution_backward delegated | lowering s: plugin / CPU / Saver |"
+)
+
+
+def separator(header: str) -> str:
+    return "|" + "---|" * (header.count(" | ") + 1)
+
+
+def measure(
+    arch: str, scheme: str, soc: str, size: int, cpu_baseline: bool, keep: Path | None = None
+) -> dict:
+    start = time.perf_counter()
+    graph = zoo.graph(arch, scheme, size)
+    export_s = time.perf_counter() - start
+    ideal = cost.ideal_macs(graph.model, graph.inputs)
+    plugin = cost.measure_program(graph.program, graph.model, soc, "plugin")
+    on_cpu = None
+    if cpu_baseline:
+        on_cpu = cost.measure_program(
+            graph.program, graph.model, soc, "backward on CPU", set(cost.BACKWARD_ON_CPU)
+        )
+    recorded = saver.record(graph.program, soc, keep=keep)
+    by_value = cost.weight_copies(graph.model, recorded)
+    return {
+        "arch": arch,
+        "scheme": scheme,
+        "size": size,
+        "soc": soc,
+        "export_s": export_s,
+        "ideal": {p: sum(getattr(layer, p) for layer in ideal) for p in cost.PHASES},
+        "plugin": lowered_dict(plugin),
+        "on_cpu": lowered_dict(on_cpu) if on_cpu else None,
+        "saver": {
+            "seconds": recorded.seconds,
+            "ops": len(recorded.ops),
+            "static_bytes": by_value.static_bytes,
+            "unattributed": by_value.unattributed,
+            "weights": [
+                {
+                    "parameter": w.parameter,
+                    "shape": w.shape,
+                    "size": w.size,
+                    "static": w.static,
+                    "ratio": w.ratio,
+                    "coverage": w.coverage,
+                    "readers": w.readers,
+                    "large": w.large,
+                    "tensors": w.tensors,
+                }
+                for w in by_value.weights
+            ],
+        },
+    }
+
+
+def lowered_dict(low: cost.Lowered) -> dict:
+    return {
+        "qnn_macs": low.qnn_macs,
+        "cpu_macs": low.cpu_macs,
+        "total_macs": low.total_macs,
+        "context": low.context,
+        "static_bytes": low.static_bytes,
+        "planned": low.planned,
+        "pte": low.pte,
+        "delegates": low.delegates,
+        "backward_delegated": low.backward_delegated,
+        "on_cpu": low.on_cpu,
+        "seconds": low.seconds,
+    }
+
+
+def row(result: dict) -> str:
+    ideal = sum(result["ideal"].values())
+    plugin, on_cpu, rec = result["plugin"], result["on_cpu"], result["saver"]
+    large = [w for w in rec["weights"] if w["large"]]
+    worst = max(large, key=lambda w: w["ratio"], default=None)
+    worst_text = (
+        f"{worst['ratio']:.3f} ({worst['parameter'].removeprefix('net.')})" if worst else "-"
+    )
+    meets = "yes" if worst is None or worst["ratio"] <= 0.05 else "**no**"
+    lost = [w["parameter"].removeprefix("net.") for w in large if w["coverage"] < 1]
+    if lost:  # a weight no static tensor holds whole: its values were changed on the way
+        meets += f"; not found whole by value: {', '.join(lost)}"
+    if plugin["delegates"] > 1:
+        meets += f" (first of {plugin['delegates']} partitions only)"
+    cpu = on_cpu or {}
+    unattributed = sum(nbytes for _, nbytes in rec["unattributed"])
+    return (
+        f"| {result['arch']} | {result['scheme']} | {result['size']} | {result['soc']} "
+        f"| **{plugin['total_macs'] / ideal:.3f}** ({plugin['total_macs']:,} / {ideal:,}) "
+        f"| {len(large)} | {worst_text} | {meets} | {unattributed:,} "
+        f"| {plugin['context']:,} | {plugin['planned']:,} / {cpu.get('planned', '-'):,} "
+        f"| {plugin['delegates']} / {cpu.get('delegates', '-')} | {plugin['backward_delegated']} "
+        f"| {plugin['seconds']:.0f} / {cpu.get('seconds', 0):.0f} / {rec['seconds']:.0f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("arch", choices=zoo.ARCHITECTURES)
+    parser.add_argument("scheme", choices=zoo.SCHEMES)
+    parser.add_argument("--soc", default="SM8650")
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--no-cpu-baseline", dest="cpu_baseline", action="store_false")
+    parser.add_argument("--json", type=Path, help="append the details to this file")
+    parser.add_argument("--header", action="store_true", help="print the table header first")
+    parser.add_argument("--keep", type=Path, help="copy the Saver recording to this directory")
+    args = parser.parse_args(argv)
+    result = measure(args.arch, args.scheme, args.soc, args.size, args.cpu_baseline, args.keep)
+    if args.json:
+        with args.json.open("a") as out:
+            out.write(json.dumps(result) + "\n")
+    if args.header:
+        print(HEADER + "\n" + separator(HEADER))
+    print(row(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -15,9 +15,12 @@ lowerings of the joint graph:
   (``cost.weight_copies``): the per-weight bytes of the 0.05 rule.
 
 Prints one markdown row of the cost table (``docs/cost.md``) and, with
-``--json FILE``, appends the details (every frozen weight's tensors) as one line.
+``--json FILE``, appends the details (every frozen weight's tensors) as one
+line; ``--table FILE`` prints the whole table from such a file.
 
-    PYTHONPATH=. python scripts/zoo_cost.py resnet18 adapter --soc SM8650 --size 32
+    PYTHONPATH=. python scripts/zoo_cost.py resnet18 adapter --soc SM8650 --size 32 \\
+        --json cost.jsonl
+    PYTHONPATH=. python scripts/zoo_cost.py --table cost.jsonl
 """
 
 from __future__ import annotations
@@ -37,10 +40,14 @@ from qnn_convbwd.tools import cost  # noqa: E402
 
 HEADER = (
     "| model | scheme | px | SoC | MACs lowered / ideal | frozen conv weights >= 64 KiB "
-    "| worst extra static B / size (weight) | <= 0.05 | other static B "
-    "| context B | planned memory B: plugin / backward on CPU | delegates: plugin / CPU "
-    "| convolution_backward delegated | lowering s: plugin / CPU / Saver |"
+    "| static tensors, readers of each | worst extra static B / size (weight) | <= 0.05 "
+    "| context B: plugin / backward on CPU | planned memory B: plugin / backward on CPU "
+    "| delegates: plugin / CPU | convolution_backward delegated "
+    "| lowering s: plugin / CPU / Saver |"
 )
+
+
+SCHEME_ORDER = ("adapter", "bias_only", "last_layers", "full")
 
 
 def separator(header: str) -> str:
@@ -124,29 +131,49 @@ def row(result: dict) -> str:
         meets += f"; not found whole by value: {', '.join(lost)}"
     if plugin["delegates"] > 1:
         meets += f" (first of {plugin['delegates']} partitions only)"
+    counts = sorted({(len(w["tensors"]), w.get("readers", "?")) for w in large}, key=str)
+    stored = ", ".join(f"{n} ({r})" for n, r in counts) or "-"
     cpu = on_cpu or {}
-    unattributed = sum(nbytes for _, nbytes in rec["unattributed"])
+
+    def pair(key: str) -> str:
+        return f"{plugin[key]:,} / " + (f"{cpu[key]:,}" if key in cpu else "-")
+
     return (
         f"| {result['arch']} | {result['scheme']} | {result['size']} | {result['soc']} "
         f"| **{plugin['total_macs'] / ideal:.3f}** ({plugin['total_macs']:,} / {ideal:,}) "
-        f"| {len(large)} | {worst_text} | {meets} | {unattributed:,} "
-        f"| {plugin['context']:,} | {plugin['planned']:,} / {cpu.get('planned', '-'):,} "
-        f"| {plugin['delegates']} / {cpu.get('delegates', '-')} | {plugin['backward_delegated']} "
+        f"| {len(large)} | {stored} | {worst_text} | {meets} | {pair('context')} "
+        f"| {pair('planned')} | {pair('delegates')} | {plugin['backward_delegated']} "
         f"| {plugin['seconds']:.0f} / {cpu.get('seconds', 0):.0f} / {rec['seconds']:.0f} |"
     )
 
 
+def table(path: Path) -> str:
+    """The cost table of every result in ``path`` (the last one of each row's key wins)."""
+    results = {}
+    for line in path.read_text().splitlines():
+        result = json.loads(line)
+        results[(result["arch"], result["scheme"], result["size"], result["soc"])] = result
+    order = sorted(results, key=lambda k: (k[0], k[3], k[2], SCHEME_ORDER.index(k[1])))
+    return "\n".join([HEADER, separator(HEADER), *(row(results[k]) for k in order)])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("arch", choices=zoo.ARCHITECTURES)
-    parser.add_argument("scheme", choices=zoo.SCHEMES)
+    parser.add_argument("arch", nargs="?", choices=zoo.ARCHITECTURES)
+    parser.add_argument("scheme", nargs="?", choices=zoo.SCHEMES)
     parser.add_argument("--soc", default="SM8650")
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--no-cpu-baseline", dest="cpu_baseline", action="store_false")
     parser.add_argument("--json", type=Path, help="append the details to this file")
     parser.add_argument("--header", action="store_true", help="print the table header first")
     parser.add_argument("--keep", type=Path, help="copy the Saver recording to this directory")
+    parser.add_argument("--table", type=Path, help="print the table of a --json file and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
+    if not (args.arch and args.scheme):
+        parser.error("arch and scheme are required (or --table FILE)")
     result = measure(args.arch, args.scheme, args.soc, args.size, args.cpu_baseline, args.keep)
     if args.json:
         with args.json.open("a") as out:

@@ -12,7 +12,8 @@ lowerings of the joint graph:
 * the plugin with QNN's Saver backend, in a child process
   (``toolchain.saver.record``; first partition only): the static tensors QNN
   receives, with their data, attributed to the frozen weights by value
-  (``cost.weight_copies``): the per-weight bytes of the 0.05 rule.
+  (``cost.weight_copies``): the per-weight bytes of the 0.05 rule. Skipped
+  when no convolution weight is frozen (scheme ``full``).
 
 Prints one markdown row of the cost table (``docs/cost.md``) and, with
 ``--json FILE``, appends the details (every frozen weight's tensors) as one
@@ -67,8 +68,7 @@ def measure(
         on_cpu = cost.measure_program(
             graph.program, graph.model, soc, "backward on CPU", set(cost.BACKWARD_ON_CPU)
         )
-    recorded = saver.record(graph.program, soc, keep=keep)
-    by_value = cost.weight_copies(graph.model, recorded)
+    saved = saver_part(graph, soc, keep)
     return {
         "arch": arch,
         "scheme": scheme,
@@ -78,26 +78,35 @@ def measure(
         "ideal": {p: sum(getattr(layer, p) for layer in ideal) for p in cost.PHASES},
         "plugin": lowered_dict(plugin),
         "on_cpu": lowered_dict(on_cpu) if on_cpu else None,
-        "saver": {
-            "seconds": recorded.seconds,
-            "ops": len(recorded.ops),
-            "static_bytes": by_value.static_bytes,
-            "unattributed": by_value.unattributed,
-            "weights": [
-                {
-                    "parameter": w.parameter,
-                    "shape": w.shape,
-                    "size": w.size,
-                    "static": w.static,
-                    "ratio": w.ratio,
-                    "coverage": w.coverage,
-                    "readers": w.readers,
-                    "large": w.large,
-                    "tensors": w.tensors,
-                }
-                for w in by_value.weights
-            ],
-        },
+        "saver": saved,
+    }
+
+
+def saver_part(graph, soc: str, keep: Path | None = None) -> dict | None:
+    """The Saver recording's static tensors by frozen conv weight; None when none is frozen."""
+    if not any(not p.requires_grad and p.dim() >= 3 for p in graph.model.parameters()):
+        return None
+    recorded = saver.record(graph.program, soc, keep=keep)
+    by_value = cost.weight_copies(graph.model, recorded)
+    return {
+        "seconds": recorded.seconds,
+        "ops": len(recorded.ops),
+        "static_bytes": by_value.static_bytes,
+        "unattributed": by_value.unattributed,
+        "weights": [
+            {
+                "parameter": w.parameter,
+                "shape": w.shape,
+                "size": w.size,
+                "static": w.static,
+                "ratio": w.ratio,
+                "coverage": w.coverage,
+                "readers": w.readers,
+                "large": w.large,
+                "tensors": w.tensors,
+            }
+            for w in by_value.weights
+        ],
     }
 
 
@@ -117,9 +126,14 @@ def lowered_dict(low: cost.Lowered) -> dict:
     }
 
 
+def seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def row(result: dict) -> str:
     ideal = sum(result["ideal"].values())
-    plugin, on_cpu, rec = result["plugin"], result["on_cpu"], result["saver"]
+    plugin, on_cpu = result["plugin"], result["on_cpu"]
+    rec = result["saver"] or {"weights": [], "seconds": None}  # None: no frozen conv weight
     large = [w for w in rec["weights"] if w["large"]]
     worst = max(large, key=lambda w: w["ratio"], default=None)
     worst_text = (
@@ -143,7 +157,7 @@ def row(result: dict) -> str:
         f"| **{plugin['total_macs'] / ideal:.3f}** ({plugin['total_macs']:,} / {ideal:,}) "
         f"| {len(large)} | {stored} | {worst_text} | {meets} | {pair('context')} "
         f"| {pair('planned')} | {pair('delegates')} | {plugin['backward_delegated']} "
-        f"| {plugin['seconds']:.0f} / {cpu.get('seconds', 0):.0f} / {rec['seconds']:.0f} |"
+        f"| {plugin['seconds']:.0f} / {seconds(cpu.get('seconds'))} / {seconds(rec['seconds'])} |"
     )
 
 
@@ -167,6 +181,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="append the details to this file")
     parser.add_argument("--header", action="store_true", help="print the table header first")
     parser.add_argument("--keep", type=Path, help="copy the Saver recording to this directory")
+    parser.add_argument(
+        "--saver-only",
+        action="store_true",
+        help="redo only the Saver part of this row's last result in the --json file",
+    )
     parser.add_argument("--table", type=Path, help="print the table of a --json file and exit")
     args = parser.parse_args(argv)
     if args.table:
@@ -174,7 +193,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.arch and args.scheme):
         parser.error("arch and scheme are required (or --table FILE)")
-    result = measure(args.arch, args.scheme, args.soc, args.size, args.cpu_baseline, args.keep)
+    if args.saver_only:  # redo the Saver part of the last result of this row in --json
+        key = (args.arch, args.scheme, args.size, args.soc)
+        lines = args.json.read_text().splitlines()
+        result = next(
+            r
+            for r in map(json.loads, reversed(lines))
+            if (r["arch"], r["scheme"], r["size"], r["soc"]) == key
+        )
+        result["saver"] = saver_part(
+            zoo.graph(args.arch, args.scheme, args.size), args.soc, args.keep
+        )
+    else:
+        result = measure(args.arch, args.scheme, args.soc, args.size, args.cpu_baseline, args.keep)
     if args.json:
         with args.json.open("a") as out:
             out.write(json.dumps(result) + "\n")

@@ -9,6 +9,7 @@ frozen backbone) against hand-computed values.
 from __future__ import annotations
 
 import itertools
+import json
 
 import numpy as np
 import pytest
@@ -288,3 +289,69 @@ def test_weight_copies_finds_a_weights_values_under_any_name_and_layout():
     assert by_name["1.weight"].ratio == 0.0
     assert [name for name, _ in found.unattributed] == ["unrelated", "p_0_bias"]
     assert found.worst() is first
+
+
+def _zoo_cost():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "zoo_cost.py"
+    spec = importlib.util.spec_from_file_location("zoo_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(scheme: str, weights: list[dict] | None, soc: str = "SM8650") -> dict:
+    lowered = {
+        "total_macs": 103,
+        "context": 1000,
+        "static_bytes": 1600,
+        "planned": 10,
+        "delegates": 1,
+        "backward_delegated": "2 of 2",
+        "seconds": 1.0,
+    }
+    saver = None if weights is None else {"seconds": 2.0, "weights": weights}
+    return {
+        "arch": "resnet18",
+        "scheme": scheme,
+        "size": 32,
+        "soc": soc,
+        "ideal": {"forward": 50, "grad_input": 50, "grad_weight": 0},
+        "plugin": lowered,
+        "on_cpu": None,
+        "saver": saver,
+    }
+
+
+def _weight(name: str, ratio: float, large: bool = True, coverage: float = 1.0) -> dict:
+    tensors = [[f"p_{name}", 4, coverage, 1]]
+    return {
+        "parameter": name,
+        "ratio": ratio,
+        "large": large,
+        "coverage": coverage,
+        "readers": 1,
+        "tensors": tensors,
+    }
+
+
+def test_zoo_cost_rows_judge_the_worst_large_weight(tmp_path):
+    zoo_cost = _zoo_cost()
+    rows = [
+        _result("adapter", [_weight("net.a", 0.0), _weight("net.b", 0.2, large=False)]),
+        _result("bias_only", [_weight("net.a", 0.06)]),
+        _result("full", None),
+        _result("adapter", [_weight("net.a", 0.0, coverage=0.5)], soc="SM8850"),
+    ]
+    path = tmp_path / "cost.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = zoo_cost.table(path).splitlines()
+    assert lines[0] == zoo_cost.HEADER and len(lines) == 2 + len(rows)
+    adapter, bias_only, full, sm8850 = lines[2:]
+    assert "| **1.030** (103 / 100) | 1 | 1 (1) | 0.000 (a) | yes |" in adapter
+    assert "| 0.060 (a) | **no** |" in bias_only
+    assert "| 0 | - | - | yes |" in full and full.endswith("| 1 / - / - |")
+    assert "yes; not found whole by value: a" in sm8850
+    assert "| 1,000 / - | 200 (0.250) |" in adapter  # context - static / 2

@@ -137,9 +137,11 @@ def row(result: dict) -> str:
     rec = result["saver"] or {"weights": [], "seconds": None}  # None: no frozen conv weight
     large = [w for w in rec["weights"] if w["large"]]
     worst = max(large, key=lambda w: w["ratio"], default=None)
-    worst_text = (
-        f"{worst['ratio']:.3f} ({worst['parameter'].removeprefix('net.')})" if worst else "-"
-    )
+    worst_text = "-"
+    if worst:
+        same = all(w["ratio"] == worst["ratio"] for w in large)
+        which = "each" if same and len(large) > 1 else worst["parameter"].removeprefix("net.")
+        worst_text = f"{worst['ratio']:.3f} ({which})"
     meets = "yes" if worst is None or worst["ratio"] <= 0.05 else "**no**"
     lost = [w["parameter"].removeprefix("net.") for w in large if w["coverage"] < 1]
     if lost:  # a weight no static tensor holds whole: its values were changed on the way

@@ -57,19 +57,26 @@ def separator(header: str) -> str:
 
 
 def measure(
-    arch: str, scheme: str, soc: str, size: int, cpu_baseline: bool, keep: Path | None = None
+    arch: str,
+    scheme: str,
+    soc: str,
+    size: int,
+    cpu_baseline: bool,
+    keep: Path | None = None,
+    htp: bool = True,
 ) -> dict:
+    """One row; ``htp=False``: the Saver recording only (no HTP compilation, no CPU baseline)."""
     start = time.perf_counter()
     graph = zoo.graph(arch, scheme, size)
     export_s = time.perf_counter() - start
     ideal = cost.ideal_macs(graph.model, graph.inputs)
-    plugin = cost.measure_program(graph.program, graph.model, soc, "plugin")
+    plugin = cost.measure_program(graph.program, graph.model, soc, "plugin") if htp else None
     on_cpu = None
-    if cpu_baseline:
+    if cpu_baseline and htp:
         on_cpu = cost.measure_program(
             graph.program, graph.model, soc, "backward on CPU", set(cost.BACKWARD_ON_CPU)
         )
-    saved = saver_part(graph, soc, keep)
+    saved = saver_part(graph, soc, keep, always=not htp)
     return {
         "arch": arch,
         "scheme": scheme,
@@ -77,19 +84,25 @@ def measure(
         "soc": soc,
         "export_s": export_s,
         "ideal": {p: sum(getattr(layer, p) for layer in ideal) for p in cost.PHASES},
-        "plugin": lowered_dict(plugin),
+        "plugin": lowered_dict(plugin) if plugin else None,
         "on_cpu": lowered_dict(on_cpu) if on_cpu else None,
         "saver": saved,
     }
 
 
-def saver_part(graph, soc: str, keep: Path | None = None) -> dict | None:
-    """The Saver recording's static tensors by frozen conv weight; None when none is frozen."""
-    if not any(not p.requires_grad and p.dim() >= 3 for p in graph.model.parameters()):
+def saver_part(graph, soc: str, keep: Path | None = None, always: bool = False) -> dict | None:
+    """The Saver recording's static tensors by frozen conv weight and its MACs.
+
+    None when no convolution weight is frozen, unless ``always``.
+    """
+    if not always and not any(
+        not p.requires_grad and p.dim() >= 3 for p in graph.model.parameters()
+    ):
         return None
     recorded = saver.record(graph.program, soc, keep=keep)
     by_value = cost.weight_copies(graph.model, recorded)
     return {
+        "qnn_macs": cost.saver_op_macs(recorded),
         "seconds": recorded.seconds,
         "ops": len(recorded.ops),
         "static_bytes": by_value.static_bytes,
@@ -133,8 +146,11 @@ def seconds(value: float | None) -> str:
 
 def row(result: dict) -> str:
     ideal = sum(result["ideal"].values())
-    plugin, on_cpu = result["plugin"], result["on_cpu"]
+    on_cpu = result["on_cpu"]
     rec = result["saver"] or {"weights": [], "seconds": None}  # None: no frozen conv weight
+    plugin = result["plugin"]
+    if plugin is None:  # the Saver recording only: its MACs (the delegated partition)
+        plugin = {"total_macs": sum(rec["qnn_macs"].values()), "seconds": None}
     large = [w for w in rec["weights"] if w["large"]]
     worst = max(large, key=lambda w: w["ratio"], default=None)
     worst_text = "-"
@@ -146,25 +162,28 @@ def row(result: dict) -> str:
     lost = [w["parameter"].removeprefix("net.") for w in large if w["coverage"] < 1]
     if lost:  # a weight no static tensor holds whole: its values were changed on the way
         meets += f"; not found whole by value: {', '.join(lost)}"
-    if plugin["delegates"] > 1:
+    if plugin.get("delegates", 1) > 1:
         meets += f" (first of {plugin['delegates']} partitions only)"
     counts = sorted({(len(w["tensors"]), w.get("readers", "?")) for w in large}, key=str)
     stored = ", ".join(f"{n} ({r})" for n, r in counts) or "-"
     cpu = on_cpu or {}
     # the HTP stores the fp32-declared static tensors in fp16 (use_fp16)
-    data = plugin["static_bytes"] // 2
-    beyond = plugin["context"] - data
+    beyond = "-"
+    if "context" in plugin:
+        data = plugin["static_bytes"] // 2
+        beyond = f"{plugin['context'] - data:,} ({(plugin['context'] - data) / data:.3f})"
 
     def pair(key: str) -> str:
-        return f"{plugin[key]:,} / " + (f"{cpu[key]:,}" if key in cpu else "-")
+        mine = f"{plugin[key]:,}" if key in plugin else "-"
+        return f"{mine} / " + (f"{cpu[key]:,}" if key in cpu else "-")
 
     return (
         f"| {result['arch']} | {result['scheme']} | {result['size']} | {result['soc']} "
         f"| **{plugin['total_macs'] / ideal:.3f}** ({plugin['total_macs']:,} / {ideal:,}) "
         f"| {len(large)} | {stored} | {worst_text} | {meets} | {pair('context')} "
-        f"| {beyond:,} ({beyond / data:.3f}) "
-        f"| {pair('planned')} | {pair('delegates')} | {plugin['backward_delegated']} "
-        f"| {plugin['seconds']:.0f} / {seconds(cpu.get('seconds'))} / {seconds(rec['seconds'])} |"
+        f"| {beyond} | {pair('planned')} | {pair('delegates')} "
+        f"| {plugin.get('backward_delegated', '-')} | {seconds(plugin['seconds'])} "
+        f"/ {seconds(cpu.get('seconds'))} / {seconds(rec['seconds'])} |"
     )
 
 
@@ -193,6 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="redo only the Saver part of this row's last result in the --json file",
     )
+    parser.add_argument(
+        "--no-htp",
+        dest="htp",
+        action="store_false",
+        help="the Saver recording only: MACs and weight bytes, no HTP compilation",
+    )
     parser.add_argument("--table", type=Path, help="print the table of a --json file and exit")
     args = parser.parse_args(argv)
     if args.table:
@@ -212,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
             zoo.graph(args.arch, args.scheme, args.size), args.soc, args.keep
         )
     else:
-        result = measure(args.arch, args.scheme, args.soc, args.size, args.cpu_baseline, args.keep)
+        result = measure(
+            args.arch, args.scheme, args.soc, args.size, args.cpu_baseline, args.keep, args.htp
+        )
     if args.json:
         with args.json.open("a") as out:
             out.write(json.dumps(result) + "\n")

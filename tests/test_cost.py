@@ -355,3 +355,26 @@ def test_zoo_cost_rows_judge_the_worst_large_weight(tmp_path):
     assert "| 0 | - | - | yes |" in full and full.endswith("| 1 / - / - |")
     assert "| 0.000 (each) | yes; not found whole by value: a |" in sm8850
     assert "| 1,000 / - | 200 (0.250) |" in adapter  # context - static / 2
+
+
+def test_saver_op_macs_reads_the_recorded_dims():
+    from qnn_convbwd.toolchain import saver
+
+    def tensor(name, dims, kind="NATIVE"):
+        return saver.SaverTensor(name, kind, 562, dims, None)
+
+    tensors = {
+        t.name: t
+        for t in (
+            tensor("x", (1, 8, 8, 4), "APP_WRITE"),
+            tensor("w", (3, 3, 4, 8), "STATIC"),
+            tensor("y", (1, 8, 8, 8)),
+            tensor("z", (1, 8, 8, 8), "APP_READ"),
+        )
+    }
+    ops = [
+        saver.SaverOp("conv", "Conv2d", "qti.aisw", ["x", "w"], ["y"], {}, []),
+        saver.SaverOp("relu", "Relu", "qti.aisw", ["y"], ["z"], {}, []),
+    ]
+    macs = cost.saver_op_macs(saver.SaverGraph("g", tensors, ops))
+    assert macs == {"Conv2d": 8 * 8 * 8 * 3 * 3 * 4}

@@ -85,6 +85,29 @@ def qnn_op_macs(op: QnnOpInfo) -> int | None:
     return math.prod(out) * (a[-2] * a[-1] // out[-2])
 
 
+def saver_op_macs(graph: object) -> dict[str, int]:
+    """MACs per QNN op type of a Saver recording (``toolchain.saver.SaverGraph``)."""
+    tensors = graph.tensors  # type: ignore[attr-defined]
+
+    def info(name: str) -> QnnTensorInfo:
+        t = tensors[name]
+        return QnnTensorInfo(name, t.type, tuple(t.dims), len(t.data or b""))
+
+    totals: dict[str, int] = {}
+    for op in graph.ops:  # type: ignore[attr-defined]
+        macs = qnn_op_macs(
+            QnnOpInfo(
+                op.name,
+                op.type,
+                tuple(info(n) for n in op.inputs),
+                tuple(info(n) for n in op.outputs),
+            )
+        )
+        if macs is not None:
+            totals[op.type] = totals.get(op.type, 0) + macs
+    return totals
+
+
 # --- the ideal step, from the torch model -------------------------------------------
 
 
@@ -627,6 +650,7 @@ __all__ = [
     "measure_program",
     "planned_memory",
     "qnn_op_macs",
+    "saver_op_macs",
     "static_tensors",
     "to_markdown",
     "weight_copies",

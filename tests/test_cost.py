@@ -341,7 +341,7 @@ def test_zoo_cost_rows_judge_the_worst_large_weight(tmp_path):
     zoo_cost = _zoo_cost()
     rows = [
         _result("adapter", [_weight("net.a", 0.01), _weight("net.b", 0.2, large=False)]),
-        _result("bias_only", [_weight("net.a", 0.06)]),
+        _result("bias_only", [_weight("net.a", 0.06), {**_weight("net.d", 0.0), "readers": 2}]),
         _result("full", None),
         _result("adapter", [_weight("net.a", 0.0, coverage=0.5), _weight("net.c", 0.0)], "SM8850"),
     ]
@@ -351,7 +351,7 @@ def test_zoo_cost_rows_judge_the_worst_large_weight(tmp_path):
     assert lines[0] == zoo_cost.HEADER and len(lines) == 2 + len(rows)
     adapter, bias_only, full, sm8850 = lines[2:]
     assert "| **1.030** (103 / 100) | 1 | 1 (1) | 0.010 (a) | yes |" in adapter
-    assert "| 0.060 (a) | **no** |" in bias_only
+    assert "| 0.060 (a) | **no**; 1 read by more than one op |" in bias_only
     assert "| 0 | - | - | yes |" in full and full.endswith("| 1 / - / - |")
     assert "| 0.000 (each) | yes; not found whole by value: a |" in sm8850
     assert "| 1,000 / - | 200 (0.250) |" in adapter  # context - static / 2

@@ -8,8 +8,10 @@ fp32 and fp16. Prints one markdown row per graph (and, with ``--tensors``, the
 full per-tensor report). On a V68 SoC (SM8350) nothing is delegated and the
 program runs on ExecuTorch's CPU kernels: the row then checks those.
 
-    PYTHONPATH=. python scripts/zoo_fidelity.py [--soc SM8650] [--scheme bias_only]
-        [--size 32] [--tensors] [arch ...]
+    PYTHONPATH=. python scripts/zoo_fidelity.py [arch ...] [--soc SM8650] [--scheme bias_only]
+        [--size 32] [--tensors] [--option input_gradient=transpose_conv]
+
+(the architectures first: ``--size`` and the others take several values.)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import zoo  # noqa: E402
 
+import qnn_convbwd  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
 from qnn_convbwd.tools import fidelity  # noqa: E402
 from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
@@ -93,9 +96,18 @@ def main() -> int:
     parser.add_argument("--size", nargs="+", type=int, default=[32])
     parser.add_argument("--tensors", action="store_true", help="per-tensor report too")
     parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a qnn_convbwd.options.Options field for the lowering (repeatable), "
+        "e.g. input_gradient=transpose_conv",
+    )
+    parser.add_argument(
         "--cpu", action="store_true", help="check the all-CPU programs against fp32 torch instead"
     )
     args = parser.parse_args()
+    overrides = dict(item.split("=", 1) for item in args.option)
     ok = True
     if args.cpu:
         print(
@@ -114,7 +126,8 @@ def main() -> int:
     )
     for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
         try:
-            row, report = measure(arch, scheme, soc, size)
+            with qnn_convbwd.enabled(**overrides):
+                row, report = measure(arch, scheme, soc, size)
         except Exception as err:  # one graph's failure must not hide the others
             print(
                 f"| {arch} | {scheme} | {size} | {soc} | failed: "

@@ -9,7 +9,9 @@ frozen backbone) against hand-computed values.
 from __future__ import annotations
 
 import itertools
+import json
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -234,3 +236,145 @@ def test_cli_prints_the_report(demo_cost, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "### demo-15px-frozen on SM8650" in out
     assert "* on CPU (backward on CPU): convolution_backward, mean" in out
+
+
+def _saver_graph(tensors: dict[str, np.ndarray]):
+    from qnn_convbwd.toolchain import saver
+
+    float32 = next(code for code, (name, _) in saver.DATA_TYPES.items() if name == "FLOAT_32")
+    made = {
+        name: saver.SaverTensor(name, "STATIC", float32, a.shape, np.float32(a).tobytes())
+        for name, a in tensors.items()
+    }
+    made["x"] = saver.SaverTensor("x", "APP_WRITE", float32, (1, 4), None)
+    ops = [
+        saver.SaverOp(f"op_{n}", "Conv2d", "qti.aisw", ["x", n], [f"y_{n}"], {}, []) for n in made
+    ]
+    for name in list(made):
+        if name != "x":
+            made[f"y_{name}"] = saver.SaverTensor(f"y_{name}", "NATIVE", float32, (1,), None)
+    return saver.SaverGraph("g", made, ops)
+
+
+def test_weight_copies_finds_a_weights_values_under_any_name_and_layout():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(64, 64, 3), torch.nn.Conv2d(64, 8, 3))
+    model[0].requires_grad_(False)
+    model[1].weight.requires_grad_(False)  # frozen too, small: not "large"
+    with torch.no_grad():  # weights share values: a value alone does not name its weight
+        model[1].weight.view(-1)[::2] = model[0].weight.view(-1)[: model[1].weight.numel() // 2]
+    big = model[0].weight.detach().numpy()  # 64x64x3x3: 72 KiB in fp16
+    small = model[1].weight.detach().numpy()
+    flat = np.zeros(18 * 2048 + 2048, np.float32)  # runtime_weight's padded flat tensor
+    flat[: big.size] = big.ravel()
+    graph = _saver_graph(
+        {
+            "p_0_weight_flat": flat.reshape(1, -1, 8, 32),
+            "some_permute": big.transpose(2, 3, 1, 0),  # a copy under another name
+            "phase_taps": big[:, :, ::2, ::2],  # a slice of it
+            "p_1_weight": small,
+            "unrelated": np.random.default_rng(0).standard_normal((16, 16)),
+            "p_0_bias": model[0].bias.detach().numpy(),  # 1-D: not a convolution weight
+        }
+    )
+    found = cost.weight_copies(model, graph)
+    by_name = {w.parameter: w for w in found.weights}
+    assert set(by_name) == {"0.weight", "1.weight"}
+    first = by_name["0.weight"]
+    assert {t[0] for t in first.tensors} == {"p_0_weight_flat", "some_permute", "phase_taps"}
+    assert first.size == big.size * 4 and first.large and not by_name["1.weight"].large
+    assert first.static == (flat.size + big.size + big[:, :, ::2, ::2].size) * 4
+    assert first.ratio == pytest.approx(first.static / first.size - 1)
+    assert first.coverage == 1.0 and first.readers == 3  # one op reads each tensor
+    assert by_name["1.weight"].ratio == 0.0
+    assert [name for name, _ in found.unattributed] == ["unrelated", "p_0_bias"]
+    assert found.worst() is first
+
+
+def _zoo_cost():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "zoo_cost.py"
+    spec = importlib.util.spec_from_file_location("zoo_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(scheme: str, weights: list[dict] | None, soc: str = "SM8650") -> dict:
+    lowered = {
+        "total_macs": 103,
+        "context": 1000,
+        "static_bytes": 1600,
+        "planned": 10,
+        "delegates": 1,
+        "backward_delegated": "2 of 2",
+        "seconds": 1.0,
+    }
+    saver = None if weights is None else {"seconds": 2.0, "weights": weights}
+    return {
+        "arch": "resnet18",
+        "scheme": scheme,
+        "size": 32,
+        "soc": soc,
+        "ideal": {"forward": 50, "grad_input": 50, "grad_weight": 0},
+        "plugin": lowered,
+        "on_cpu": None,
+        "saver": saver,
+    }
+
+
+def _weight(name: str, ratio: float, large: bool = True, coverage: float = 1.0) -> dict:
+    tensors = [[f"p_{name}", 4, coverage, 1]]
+    return {
+        "parameter": name,
+        "ratio": ratio,
+        "large": large,
+        "coverage": coverage,
+        "readers": 1,
+        "tensors": tensors,
+    }
+
+
+def test_zoo_cost_rows_judge_the_worst_large_weight(tmp_path):
+    zoo_cost = _zoo_cost()
+    rows = [
+        _result("adapter", [_weight("net.a", 0.01), _weight("net.b", 0.2, large=False)]),
+        _result("bias_only", [_weight("net.a", 0.06), {**_weight("net.d", 0.0), "readers": 2}]),
+        _result("full", None),
+        _result("adapter", [_weight("net.a", 0.0, coverage=0.5), _weight("net.c", 0.0)], "SM8850"),
+    ]
+    path = tmp_path / "cost.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = zoo_cost.table(path).splitlines()
+    assert lines[0] == zoo_cost.HEADER and len(lines) == 2 + len(rows)
+    adapter, bias_only, full, sm8850 = lines[2:]
+    assert "| **1.030** (103 / 100) | 1 | 1 (1) | 0.010 (a) | yes |" in adapter
+    assert "| 0.060 (a) | **no**; 1 read by more than one op |" in bias_only
+    assert "| 0 | - | - | yes |" in full and full.endswith("| 1 / - / - |")
+    assert "| 0.000 (each) | yes; not found whole by value: a |" in sm8850
+    assert "| 1,000 / - | 200 (0.250) |" in adapter  # context - static / 2
+
+
+def test_saver_op_macs_reads_the_recorded_dims():
+    from qnn_convbwd.toolchain import saver
+
+    def tensor(name, dims, kind="NATIVE"):
+        return saver.SaverTensor(name, kind, 562, dims, None)
+
+    tensors = {
+        t.name: t
+        for t in (
+            tensor("x", (1, 8, 8, 4), "APP_WRITE"),
+            tensor("w", (3, 3, 4, 8), "STATIC"),
+            tensor("y", (1, 8, 8, 8)),
+            tensor("z", (1, 8, 8, 8), "APP_READ"),
+        )
+    }
+    ops = [
+        saver.SaverOp("conv", "Conv2d", "qti.aisw", ["x", "w"], ["y"], {}, []),
+        saver.SaverOp("relu", "Relu", "qti.aisw", ["y"], ["z"], {}, []),
+    ]
+    macs = cost.saver_op_macs(saver.SaverGraph("g", tensors, ops))
+    assert macs == {"Conv2d": 8 * 8 * 8 * 3 * 3 * 4}

@@ -9,6 +9,7 @@ batches, every bias trained, MSE); docs/zoo.md has the measured table and
 
 from __future__ import annotations
 
+import pytest
 import zoo
 
 from qnn_convbwd.toolchain import harness
@@ -31,3 +32,13 @@ def test_resnet18_bias_only_within_fidelity(resnet18_bias_only, resnet18_bias_on
     # 1 delegate: the forward max pool goes to the HTP with its indices (docs/max_pool.md);
     # the MSE loss's mean, an output no gradient depends on, stays on CPU.
     _check(resnet18_bias_only, compiled, outputs, delegates=1, convolution_backwards=19)
+
+
+@pytest.mark.parametrize(("arch", "head"), [("resnet18", "fc."), ("mobilenet_v2", "classifier.1.")])
+def test_adapter_scheme_trains_only_the_head(arch, head):
+    try:
+        net = getattr(zoo.import_torchvision().models, arch)(num_classes=10)
+    except zoo.TorchvisionUnavailable as err:
+        pytest.skip(str(err))
+    assert zoo.head(net) == head
+    assert zoo.trainable(net, "adapter") == [f"{head}weight", f"{head}bias"]

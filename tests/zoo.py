@@ -80,17 +80,23 @@ ARCHITECTURES = (
     "squeezenet1_1",
     "shufflenet_v2_x0_5",
 )
-SCHEMES = ("bias_only", "last_layers", "full")
+SCHEMES = ("bias_only", "last_layers", "full", "adapter")
 
 
 class Finetune(torch.nn.Module):
-    """``net`` with an MSE loss against a target: what the joint graph trains."""
+    """``net`` (after ``adapter`` when given) with an MSE loss against a target.
 
-    def __init__(self, net: torch.nn.Module) -> None:
+    What the joint graph trains.
+    """
+
+    def __init__(self, net: torch.nn.Module, adapter: torch.nn.Module | None = None) -> None:
         super().__init__()
+        self.adapter = adapter
         self.net = net
 
     def forward(self, x, target):
+        if self.adapter is not None:
+            x = self.adapter(x)
         return torch.nn.functional.mse_loss(self.net(x), target)
 
 
@@ -114,9 +120,29 @@ def last_layers(net: torch.nn.Module) -> tuple[str, ...]:
     return (f"features.{last}.", f"{head}.")
 
 
+def head(net: torch.nn.Module) -> str:
+    """Name prefix of the last ``nn.Linear`` of a torchvision classifier (its head)."""
+    last = [name for name, m in net.named_modules() if isinstance(m, torch.nn.Linear)][-1]
+    return f"{last}."
+
+
 def trainable(net: torch.nn.Module, scheme: str) -> list[str]:
-    """Names of the parameters ``scheme`` trains (see SCHEMES)."""
+    """Names of the parameters of ``net`` that ``scheme`` trains.
+
+    * ``bias_only``: every bias (batch-norm biases included), the TinyTL recipe;
+    * ``last_layers``: the last stage and the head (``last_layers``);
+    * ``full``: every parameter;
+    * ``adapter``: only the head (``head``: the last ``nn.Linear``); ``graph``
+      adds a trainable 1x1 adapter in front of ``net``. The backbone, every
+      convolution and batch norm, weights and biases, is frozen: the
+      personalisation recipe of a frozen feature extractor with a small trained
+      input adapter and classifier. The adapter's gradient flows back through
+      every frozen convolution, so each does its grad_input (and none its
+      grad_weight).
+    """
     names = [name for name, _ in net.named_parameters()]
+    if scheme == "adapter":
+        return [name for name in names if name.startswith(head(net))]
     if scheme == "bias_only":
         return [name for name in names if name.endswith("bias")]
     if scheme == "last_layers":
@@ -132,7 +158,9 @@ def graph(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 1
 
     Random weights (``seed``); batch-norm statistics are the plain average
     (momentum None) of 3 train-mode passes over random batches of 4, then eval();
-    the parameters ``trainable(net, scheme)`` names train, the others are frozen.
+    the parameters ``trainable(net, scheme)`` names train, the others are frozen;
+    scheme ``adapter`` puts a trainable 1x1 convolution close to the identity
+    (``models.identity_adapter``, 3 channels) in front of ``net``.
     Batch 1, ``size`` x ``size`` input.
     """
     from torch.export.experimental import _export_forward_backward
@@ -154,7 +182,10 @@ def graph(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 1
     train = set(trainable(net, scheme))
     for name, parameter in net.named_parameters():
         parameter.requires_grad_(name in train)
-    model = Finetune(net)
+    adapter = None
+    if scheme == "adapter":
+        adapter = models.identity_adapter(3, torch.Generator().manual_seed(seed))
+    model = Finetune(net, adapter)
     inputs = (torch.randn(1, 3, size, size), torch.randn(1, classes))
     joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
     return models.TrainingGraph(f"{arch}/{scheme}", model, inputs, joint)

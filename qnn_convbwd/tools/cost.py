@@ -85,6 +85,29 @@ def qnn_op_macs(op: QnnOpInfo) -> int | None:
     return math.prod(out) * (a[-2] * a[-1] // out[-2])
 
 
+def saver_op_macs(graph: object) -> dict[str, int]:
+    """MACs per QNN op type of a Saver recording (``toolchain.saver.SaverGraph``)."""
+    tensors = graph.tensors  # type: ignore[attr-defined]
+
+    def info(name: str) -> QnnTensorInfo:
+        t = tensors[name]
+        return QnnTensorInfo(name, t.type, tuple(t.dims), len(t.data or b""))
+
+    totals: dict[str, int] = {}
+    for op in graph.ops:  # type: ignore[attr-defined]
+        macs = qnn_op_macs(
+            QnnOpInfo(
+                op.name,
+                op.type,
+                tuple(info(n) for n in op.inputs),
+                tuple(info(n) for n in op.outputs),
+            )
+        )
+        if macs is not None:
+            totals[op.type] = totals.get(op.type, 0) + macs
+    return totals
+
+
 # --- the ideal step, from the torch model -------------------------------------------
 
 
@@ -266,6 +289,128 @@ def frozen_weight_bytes(model: nn.Module, graphs: list[list[QnnOpInfo]]) -> list
     return rows
 
 
+# --- bytes by value: which static tensors hold a frozen weight's values --------------------
+
+# A frozen weight counts for the 0.05 rule when it takes this many bytes in fp16,
+# the precision the HTP stores it in (numel >= 32,768).
+LARGE_WEIGHT_BYTES = 64 * 1024
+FP16_BYTES = 2
+# A static tensor holds a weight's values when at least this share of its nonzero
+# elements are values of that weight (and no other weight has more of them).
+VALUE_SHARE = 0.9
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightCopies:
+    """The static QNN tensors holding one frozen weight's values, found by value."""
+
+    parameter: str
+    shape: tuple[int, ...]
+    size: int  # numel * 4: the weight as the fp32 static tensor executorch declares
+    # (name, bytes, share of the weight's values, ops reading it)
+    tensors: tuple[tuple[str, int, float, int], ...]
+
+    @property
+    def static(self) -> int:
+        return sum(t[1] for t in self.tensors)
+
+    @property
+    def extra(self) -> int:
+        """Static bytes beyond one copy of the weight: copies, padding, re-laid-out tensors."""
+        return self.static - self.size
+
+    @property
+    def ratio(self) -> float:
+        """``extra`` over the weight's own size: the 0.05 rule's measure."""
+        return self.extra / self.size
+
+    @property
+    def coverage(self) -> float:
+        """Largest share of the weight's values one tensor holds (1.0: a whole copy)."""
+        return max((t[2] for t in self.tensors), default=0.0)
+
+    @property
+    def readers(self) -> int:
+        """Ops reading its static tensors: the HTP prepares a static tensor once per
+        reading op type (docs/weight_bytes.md), so 1 leaves it nothing to copy."""
+        return sum(t[3] for t in self.tensors)
+
+    @property
+    def large(self) -> bool:
+        return math.prod(self.shape) * FP16_BYTES >= LARGE_WEIGHT_BYTES
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticByValue:
+    weights: list[WeightCopies]
+    unattributed: tuple[tuple[str, int], ...]  # static float tensors holding no weight's values
+    static_bytes: int  # every static op input of the graph
+
+    def large(self) -> list[WeightCopies]:
+        return [w for w in self.weights if w.large]
+
+    def worst(self) -> WeightCopies | None:
+        return max(self.large(), key=lambda w: w.ratio, default=None)
+
+
+def _share(sorted_values, x) -> float:
+    """Share of the elements of ``x`` that occur in ``sorted_values``."""
+    import numpy as np
+
+    if not x.size or not sorted_values.size:
+        return 0.0
+    at = np.clip(np.searchsorted(sorted_values, x), 0, sorted_values.size - 1)
+    return float(np.mean(sorted_values[at] == x))
+
+
+def weight_copies(model: nn.Module, graph: object, min_elements: int = 64) -> StaticByValue:
+    """Attribute the float static tensors of a Saver recording to frozen conv weights by value.
+
+    ``graph`` is a ``toolchain.saver.SaverGraph`` (the QNN graph as QNN received
+    it, with its static data). Names are not trusted: a weight's transposed,
+    sliced, zero-dilated or padded copy made by any pass has a name of its own
+    but holds the weight's values. Each static float tensor of at least
+    ``min_elements`` elements goes to the frozen weight (dim >= 3: convolutions)
+    of which it holds the largest share of its nonzero values, if that share is
+    at least ``VALUE_SHARE``; its bytes (padding included) count for that weight.
+    Shares are per weight: two weights of similar scale share many fp32 values
+    (resnet18's 11 M frozen values do), so a value alone does not name its
+    weight, but a copy's values all lie in one weight.
+    """
+    import numpy as np
+
+    frozen = [
+        (name, p.detach().to(torch.float32).numpy().ravel())
+        for name, p in model.named_parameters()
+        if not p.requires_grad and p.dim() >= 3
+    ]
+    ordered = [np.sort(v) for _, v in frozen]
+    found: dict[int, list[tuple[str, int, float, int]]] = {i: [] for i in range(len(frozen))}
+    unattributed = []
+    for tensor in graph.static_inputs():  # type: ignore[attr-defined]
+        if not tensor.dtype_name.startswith("FLOAT") or tensor.numel < min_elements:
+            continue
+        data = graph.tensor_array(tensor.name).astype(np.float32).ravel()  # type: ignore[attr-defined]
+        nonzero = data[data != 0]
+        best, share = -1, 0.0
+        if frozen and nonzero.size:
+            sample = nonzero[:: max(1, nonzero.size // 4096)]  # to pick the candidate
+            best = int(np.argmax([_share(values, sample) for values in ordered]))
+            share = _share(ordered[best], nonzero)
+        if best >= 0 and share >= VALUE_SHARE:
+            covered = _share(np.sort(nonzero), frozen[best][1])
+            readers = len(graph.consumers(tensor.name))  # type: ignore[attr-defined]
+            found[best].append((tensor.name, len(tensor.data or b""), covered, readers))
+        else:
+            unattributed.append((tensor.name, len(tensor.data or b"")))
+    params = dict(model.named_parameters())
+    weights = [
+        WeightCopies(name, tuple(params[name].shape), v.size * 4, tuple(found[i]))
+        for i, (name, v) in enumerate(frozen)
+    ]
+    return StaticByValue(weights, tuple(unattributed), graph.static_bytes)  # type: ignore[attr-defined]
+
+
 def _bytes(value: object) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
@@ -314,6 +459,7 @@ class Lowered:
     backward_delegated: str  # "k of n" convolution_backward
     on_cpu: list[str]  # ops outside every delegate
     delegate_io: list[tuple[int, int]]  # (input, output) bytes per delegate call
+    seconds: float = 0.0  # qnn_convbwd.lower, wall time
 
     @property
     def total_macs(self) -> int:
@@ -336,13 +482,27 @@ class CostReport:
 def measure_lowering(
     case: models.TrainingCase, soc: str, label: str, skip_node_op_set: set | None = None
 ) -> Lowered:
+    return measure_program(case.joint(), case.model, soc, label, skip_node_op_set)
+
+
+def measure_program(
+    joint: torch.export.ExportedProgram,
+    model: nn.Module,
+    soc: str,
+    label: str,
+    skip_node_op_set: set | None = None,
+) -> Lowered:
+    """Lower the joint graph ``joint`` of ``model`` with ``qnn_convbwd.lower`` and measure it."""
+    import time
+
     from .. import api
     from ..toolchain import harness
 
+    specs = harness.compile_specs(soc)
+    start = time.perf_counter()
     with integration.capture_qnn_graphs() as graphs:
-        result = api.lower(
-            case.joint(), harness.compile_specs(soc), skip_node_op_set=skip_node_op_set
-        )
+        result = api.lower(joint, specs, skip_node_op_set=skip_node_op_set)
+    seconds = time.perf_counter() - start
     program = result.edge.to_executorch()
     qnn: dict[str, int] = {}
     for ops in graphs:
@@ -355,7 +515,7 @@ def measure_lowering(
         label=label,
         qnn_macs=qnn,
         cpu_macs=cpu_macs(result.edge),
-        weights=frozen_weight_bytes(case.model, graphs),
+        weights=frozen_weight_bytes(model, graphs),
         static_bytes=sum(t.nbytes for t in static_tensors(graphs).values()),
         planned=planned_memory(program),
         pte=len(program.buffer),
@@ -364,6 +524,7 @@ def measure_lowering(
         backward_delegated=f"{report.delegated} of {len(report.rows)}",
         on_cpu=train_cli.cpu_ops(result.edge),
         delegate_io=delegate_io_bytes(result.edge),
+        seconds=seconds,
     )
 
 
@@ -475,16 +636,22 @@ __all__ = [
     "BACKWARD_ON_CPU",
     "MAC_OPS",
     "CostReport",
+    "LARGE_WEIGHT_BYTES",
     "LayerMacs",
     "Lowered",
+    "StaticByValue",
     "WeightBytes",
+    "WeightCopies",
     "cpu_macs",
     "delegate_io_bytes",
     "frozen_weight_bytes",
     "ideal_macs",
     "measure",
+    "measure_program",
     "planned_memory",
     "qnn_op_macs",
+    "saver_op_macs",
     "static_tensors",
     "to_markdown",
+    "weight_copies",
 ]

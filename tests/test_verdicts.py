@@ -158,26 +158,6 @@ def _pool(program, **target) -> tuple:
     return node, judge.Context(htp(program, **target)), None
 
 
-@reaches(POOL, "backend_is_htp")
-def _pool_gpu():
-    return _pool(_pool_program(), backend="gpu")
-
-
-@reaches(POOL, "htp_arch_supported")
-def _pool_v68():
-    return _pool(_pool_program(), soc="SM8350", arch=68)
-
-
-@reaches(POOL, "float_gradient")
-def _pool_float64():
-    return _pool(_pool_program(dtype=torch.float64))
-
-
-@reaches(POOL, "window_size")
-def _pool_8x8():
-    return _pool(_pool_program(kernel=8))
-
-
 @reaches(POOL, "windows_fit")
 def _pool_wrong_size():
     program = _pool_program.__wrapped__()  # its own: the test edits a shape
@@ -223,24 +203,24 @@ def _forward(program, skip_ids=frozenset(), **target) -> tuple:
     return node, judge.Context(htp(program, **target), skip_ids=skip_ids), None
 
 
-@reaches(FORWARD, "backend_is_htp")
-def _forward_gpu():
-    return _forward(_forward_program(), backend="gpu")
+# The four target rules the forward pool shares with its backward, for both: the rule,
+# the program's arguments and the target's.
+SHARED_POOL_RULES = {
+    "backend_is_htp": ({}, {"backend": "gpu"}),
+    "htp_arch_supported": ({}, {"soc": "SM8350", "arch": 68}),
+    "float_gradient": ({"dtype": torch.float64}, {}),
+    "window_size": ({"kernel": 8}, {}),
+}
+for _family, _program, _case in (
+    (POOL, _pool_program, _pool),
+    (FORWARD, _forward_program, _forward),
+):
+    for _rule, (_built_with, _target) in SHARED_POOL_RULES.items():
 
+        def _shared(program=_program, case=_case, built_with=_built_with, target=_target):
+            return case(program(**built_with), **target)
 
-@reaches(FORWARD, "htp_arch_supported")
-def _forward_v68():
-    return _forward(_forward_program(), soc="SM8350", arch=68)
-
-
-@reaches(FORWARD, "float_gradient")
-def _forward_float64():
-    return _forward(_forward_program(dtype=torch.float64))
-
-
-@reaches(FORWARD, "window_size")
-def _forward_8x8():
-    return _forward(_forward_program(kernel=8))
+        REACH[(_family, _rule)] = _shared
 
 
 @reaches(FORWARD, "indices_users_delegated")

@@ -9,7 +9,10 @@ full per-tensor report). On a V68 SoC (SM8350) nothing is delegated and the
 program runs on ExecuTorch's CPU kernels: the row then checks those.
 
     PYTHONPATH=. python scripts/zoo_fidelity.py [--soc SM8650] [--scheme bias_only]
-        [--size 32] [--tensors] [arch ...]
+        [--size 32] [--tensors] [--set OPTION=VALUE ...] [arch ...]
+
+``--set`` lowers with ``qnn_convbwd.enabled(OPTION=VALUE)`` (e.g.
+``mul_over_add=keep``; numbers are parsed as floats).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import zoo  # noqa: E402
 
+import qnn_convbwd  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
 from qnn_convbwd.tools import fidelity  # noqa: E402
 from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
@@ -95,7 +99,27 @@ def main() -> int:
     parser.add_argument(
         "--cpu", action="store_true", help="check the all-CPU programs against fp32 torch instead"
     )
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="OPTION=VALUE", help="qnn_convbwd options"
+    )
     args = parser.parse_args()
+    with qnn_convbwd.enabled(**parse_options(args.set)):
+        return sweep(args)
+
+
+def parse_options(pairs: list[str]) -> dict[str, object]:
+    """``["a=b", "loss_scale=256"]`` as ``{"a": "b", "loss_scale": 256.0}``."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            out[name] = value
+    return out
+
+
+def sweep(args: argparse.Namespace) -> int:
     ok = True
     if args.cpu:
         print(

@@ -17,8 +17,8 @@ each floating-point ``mul(a, add(z, k))`` of the edge program before
 partitioning, for ``k`` a Python scalar or a one-element tensor the graph reads
 (a constant, lifted or not; ``k``'s node is reused, so no value is baked in). The
 multiplication by ``k`` is exact for the powers of two the sigmoid rewrite uses
-(SiLU becomes ``h + h * tanh(h)`` with ``h = x / 2``). The ``add`` stays for
-its other readers.
+(SiLU becomes ``x * (t * 0.5) + x * 0.5`` with ``t = tanh(x / 2)``). The ``add``
+stays for its other readers.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from .partition.target import Target
 from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
 from .passes.batch_norm import StableBatchNorm
 from .passes.canonicalize import CanonicalizeConvolutionBackward
+from .passes.distribute_mul import DistributeMul
 from .passes.loss_scale import ScaleLoss
 from .passes.sigmoid import StableSigmoid
 
@@ -117,7 +118,7 @@ def _hooks() -> integration.Hooks:
     hooks.on_support_init = _on_support_init
     hooks.is_node_supported = _is_node_supported
     hooks.transform_pass = CanonicalizeConvolutionBackward
-    hooks.extra_transform_passes = (StableBatchNorm, StableSigmoid, ScaleLoss)
+    hooks.extra_transform_passes = (StableBatchNorm, StableSigmoid, DistributeMul, ScaleLoss)
     hooks.layout_edge_condition = layout.is_edge_condition
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes

@@ -50,6 +50,13 @@ BATCH_NORM_MODES = ("decompose", "executorch")
 #   "executorch" executorch's QNN Sigmoid visitor.
 SIGMOID_MODES = ("tanh", "executorch")
 
+# How a multiplication by a sum with a scalar constant, mul(a, add(z, k)), is lowered:
+#   "distribute" passes.distribute_mul: a * z + a * k (the HTP's Mul of an Add of a
+#                constant is biased by ~+1.8e-4 of the output, which accumulates
+#                over a network's SiLU and gates; docs/numerics.md);
+#   "keep"       as the graph has it.
+MUL_OVER_ADD_MODES = ("distribute", "keep")
+
 
 # The largest finite float16: the loss scale seeds the backward as an fp16 tensor.
 FP16_MAX = 65504.0
@@ -62,6 +69,7 @@ class Options:
     input_gradient: str = "runtime_weight"
     batch_norm: str = "decompose"
     sigmoid: str = "tanh"
+    mul_over_add: str = "distribute"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
     # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
     # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
@@ -75,6 +83,7 @@ class Options:
             ("input_gradient", INPUT_GRADIENT_FORMULATIONS),
             ("batch_norm", BATCH_NORM_MODES),
             ("sigmoid", SIGMOID_MODES),
+            ("mul_over_add", MUL_OVER_ADD_MODES),
         ):
             value = getattr(self, field)
             if value not in choices:

@@ -9,9 +9,12 @@ full per-tensor report). On a V68 SoC (SM8350) nothing is delegated and the
 program runs on ExecuTorch's CPU kernels: the row then checks those.
 
     PYTHONPATH=. python scripts/zoo_fidelity.py [arch ...] [--soc SM8650] [--scheme bias_only]
-        [--size 32] [--tensors] [--option input_gradient=transpose_conv]
+        [--size 32] [--tensors] [--set OPTION=VALUE ...]
 
 (the architectures first: ``--size`` and the others take several values.)
+
+``--set`` lowers with ``qnn_convbwd.enabled(OPTION=VALUE)`` (e.g.
+``mul_over_add=keep``; numbers are parsed as floats).
 """
 
 from __future__ import annotations
@@ -96,18 +99,29 @@ def main() -> int:
     parser.add_argument("--size", nargs="+", type=int, default=[32])
     parser.add_argument("--tensors", action="store_true", help="per-tensor report too")
     parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a qnn_convbwd.options.Options field for the lowering (repeatable), "
-        "e.g. input_gradient=transpose_conv",
-    )
-    parser.add_argument(
         "--cpu", action="store_true", help="check the all-CPU programs against fp32 torch instead"
     )
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="OPTION=VALUE", help="qnn_convbwd options"
+    )
     args = parser.parse_args()
-    overrides = dict(item.split("=", 1) for item in args.option)
+    with qnn_convbwd.enabled(**parse_options(args.set)):
+        return sweep(args)
+
+
+def parse_options(pairs: list[str]) -> dict[str, object]:
+    """``["a=b", "loss_scale=256"]`` as ``{"a": "b", "loss_scale": 256.0}``."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            out[name] = value
+    return out
+
+
+def sweep(args: argparse.Namespace) -> int:
     ok = True
     if args.cpu:
         print(
@@ -126,8 +140,7 @@ def main() -> int:
     )
     for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
         try:
-            with qnn_convbwd.enabled(**overrides):
-                row, report = measure(arch, scheme, soc, size)
+            row, report = measure(arch, scheme, soc, size)
         except Exception as err:  # one graph's failure must not hide the others
             print(
                 f"| {arch} | {scheme} | {size} | {soc} | failed: "

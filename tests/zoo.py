@@ -153,6 +153,26 @@ def trainable(net: torch.nn.Module, scheme: str) -> list[str]:
     raise ValueError(f"scheme {scheme!r}: one of {SCHEMES}")
 
 
+def calibrated(arch: str, size: int = 32, classes: int = 10, seed: int = 0) -> torch.nn.Module:
+    """torchvision's ``arch`` with random weights (``seed``) and batch-norm statistics, eval().
+
+    The statistics are the plain average (momentum None) of 3 train-mode passes
+    over random ``size`` x ``size`` batches of 4.
+    """
+    torchvision = import_torchvision()
+    torch.manual_seed(seed)
+    net = getattr(torchvision.models, arch)(num_classes=classes)
+    for module in net.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
+            module.momentum = None
+            module.reset_running_stats()
+    net.train()
+    with torch.no_grad():
+        for _ in range(3):
+            net(torch.randn(4, 3, size, size))
+    return net.eval()
+
+
 def graph(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 10, seed: int = 0):
     """``models.TrainingGraph`` of torchvision's ``arch`` fine-tuned by ``scheme``, MSE.
 
@@ -167,18 +187,7 @@ def graph(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 1
 
     from qnn_convbwd.tools import models
 
-    torchvision = import_torchvision()
-    torch.manual_seed(seed)
-    net = getattr(torchvision.models, arch)(num_classes=classes)
-    for module in net.modules():
-        if isinstance(module, torch.nn.modules.batchnorm._BatchNorm):
-            module.momentum = None
-            module.reset_running_stats()
-    net.train()
-    with torch.no_grad():
-        for _ in range(3):
-            net(torch.randn(4, 3, size, size))
-    net.eval()
+    net = calibrated(arch, size, classes, seed)
     train = set(trainable(net, scheme))
     for name, parameter in net.named_parameters():
         parameter.requires_grad_(name in train)

@@ -1,0 +1,145 @@
+"""Forward precision of a torchvision model's blocks on the HTP simulator, block by block.
+
+Each block of ``net.features`` (EfficientNet's stages expanded into their MBConv
+blocks) and the head, fed the fp32 input it gets in the whole net
+(``tests/zoo.calibrated``: random weights, batch-norm statistics from random
+batches), is exported alone as an inference program, lowered with
+``qnn_convbwd.lower`` and run. One markdown row per block: relative L2 of the
+HTP's output and of torch fp16's (the block in float16 on CPU) against fp32,
+their ratio, and the HTP error's systematic parts: the least-squares gain
+``<htp, ref> / <ref, ref> - 1`` and the mean error over the rms error.
+
+    PYTHONPATH=. python scripts/forward_bisect.py efficientnet_b0 [--size 32] [--soc SM8650]
+        [--blocks 3 4] [--prefix] [--set OPTION=VALUE ...]
+
+``--prefix`` runs ``features[:k]`` from the net's input instead (the error as it
+accumulates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import zoo  # noqa: E402
+from zoo_fidelity import parse_options  # noqa: E402
+
+import qnn_convbwd  # noqa: E402
+from qnn_convbwd.toolchain import harness  # noqa: E402
+from qnn_convbwd.tools import fidelity  # noqa: E402
+
+
+class Head(torch.nn.Module):
+    """The classifier after ``features``: pool, flatten, classifier."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.avgpool = net.avgpool
+        self.classifier = net.classifier
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(x), 1))
+
+
+def blocks(net: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) in execution order: each block of ``features`` and the head."""
+    out = []
+    for name, child in net.features.named_children():
+        if isinstance(child, torch.nn.Sequential) and not isinstance(
+            child[0], (torch.nn.Conv2d, torch.nn.BatchNorm2d)
+        ):
+            out += [(f"features.{name}.{n}", c) for n, c in child.named_children()]
+        else:
+            out.append((f"features.{name}", child))
+    out.append(("head", Head(net)))
+    return out
+
+
+def systematic(actual: torch.Tensor, reference: torch.Tensor) -> tuple[float, float]:
+    """(gain - 1, mean error / rms error) of ``actual`` against ``reference``."""
+    a, r = actual.double().flatten(), reference.double().flatten()
+    err = a - r
+    gain = (a @ r / (r @ r)).item() - 1.0
+    rms = err.pow(2).mean().sqrt().item()
+    return gain, (err.mean().item() / rms) if rms else 0.0
+
+
+def measure(module: torch.nn.Module, x: torch.Tensor, soc: str) -> dict[str, float]:
+    module = module.eval()
+    with torch.no_grad():
+        ref = module(x)
+        half = copy.deepcopy(module).half()(x.half()).float()
+    program = torch.export.export(module, (x,), strict=True)
+    compiled = harness.lower_program(program, soc)
+    out = compiled.run([x])[0]
+    htp, floor = fidelity.Metrics.of(out, ref), fidelity.Metrics.of(half, ref)
+    gain, bias = systematic(out, ref)
+    fgain, fbias = systematic(half, ref)
+    return {
+        "delegates": harness.delegate_count(compiled.edge),
+        "htp": htp.rel_l2,
+        "fp16": floor.rel_l2,
+        "gain": gain,
+        "bias": bias,
+        "fp16_gain": fgain,
+        "fp16_bias": fbias,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("arch")
+    parser.add_argument("--size", type=int, default=32)
+    parser.add_argument("--soc", default="SM8650")
+    parser.add_argument("--blocks", nargs="*", type=int, help="indices into the block list")
+    parser.add_argument("--prefix", action="store_true", help="features[:k] from the input")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="OPTION=VALUE", help="qnn_convbwd options"
+    )
+    args = parser.parse_args()
+    with qnn_convbwd.enabled(**parse_options(args.set)):
+        return bisect(args)
+
+
+def bisect(args: argparse.Namespace) -> int:
+    net = zoo.calibrated(args.arch, args.size)
+    torch.manual_seed(0)
+    x = torch.randn(1, 3, args.size, args.size)
+    units = blocks(net)
+    inputs = []
+    with torch.no_grad():
+        h = x
+        for _, module in units:
+            inputs.append(h)
+            h = module(h)
+    chosen = args.blocks if args.blocks else range(len(units))
+    print(
+        "| # | block | input | delegates | HTP rel L2 | fp16 rel L2 | ratio "
+        "| HTP gain-1 | HTP mean/rms | fp16 gain-1 | fp16 mean/rms |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    for i in chosen:
+        name, module = units[i]
+        if args.prefix:
+            module = torch.nn.Sequential(*[m for _, m in units[: i + 1]])
+            name, inp = f"[:{i + 1}] ... {name}", x
+        else:
+            inp = inputs[i]
+        m = measure(module, inp, args.soc)
+        print(
+            f"| {i} | {name} | {tuple(inp.shape[1:])} | {m['delegates']} | {m['htp']:.3g} "
+            f"| {m['fp16']:.3g} | {m['htp'] / m['fp16']:.2f} | {m['gain']:.2e} "
+            f"| {m['bias']:.2f} | {m['fp16_gain']:.2e} | {m['fp16_bias']:.2f} |",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

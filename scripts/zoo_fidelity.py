@@ -15,6 +15,11 @@ program runs on ExecuTorch's CPU kernels: the row then checks those.
 
 ``--set`` lowers with ``qnn_convbwd.enabled(OPTION=VALUE)`` (e.g.
 ``mul_over_add=keep``; numbers are parsed as floats).
+
+``--inputs K`` runs the lowered program on the graph's own input and K - 1 more
+(``more_inputs``: seeded normal inputs and targets of the same shapes) and
+judges each tensor's errors pooled over the K inputs (``fidelity.pooled``);
+the "within" column then also says on how many inputs alone the step is within.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import itertools
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -35,23 +42,39 @@ from qnn_convbwd.tools import fidelity  # noqa: E402
 from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
 
 
-def measure(arch: str, scheme: str, soc: str, size: int) -> tuple[str, fidelity.Report]:
+def more_inputs(graph, count: int) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` inputs of ``graph``'s shapes: standard normal, seeds 1000, 1001, ..."""
+    out = []
+    for i in range(count):
+        generator = torch.Generator().manual_seed(1000 + i)
+        out.append(tuple(torch.randn(t.shape, generator=generator) for t in graph.inputs))
+    return out
+
+
+def measure(
+    arch: str, scheme: str, soc: str, size: int, inputs: int = 1
+) -> tuple[str, fidelity.Report]:
     start = time.perf_counter()
     graph = zoo.graph(arch, scheme, size)
     export_s = time.perf_counter() - start
     compiled = harness.lower_program(graph.program, soc)
     start = time.perf_counter()
-    outputs = compiled.run(list(graph.inputs))
+    reports = []
+    for args in [graph.inputs, *more_inputs(graph, inputs - 1)]:
+        outputs = zoo.joint_outputs(graph, compiled.run(list(args)))
+        reports.append(fidelity.assess_model(graph.model, args, graph.program, outputs))
     run_s = time.perf_counter() - start
-    outputs = zoo.joint_outputs(graph, outputs)
-    report = fidelity.assess_model(graph.model, graph.inputs, graph.program, outputs)
+    report = fidelity.pooled(reports) if inputs > 1 else reports[0]
+    within = "yes" if report.within else "no"
+    if inputs > 1:
+        within += f" (pooled over {inputs} inputs; {sum(r.within for r in reports)} within alone)"
     rows = compiled.report.rows
     worst = report.worst()
     row = (
         f"| {arch} | {scheme} | {size} | {soc} | {harness.delegate_count(compiled.edge)} "
         f"| {', '.join(cpu_ops(compiled.edge)) or 'nothing'} "
         f"| {compiled.report.delegated} of {len(rows)} | {len(report.rows)} "
-        f"| {'yes' if report.within else 'no'} "
+        f"| {within} "
         f"| {'; '.join(report.offending) or '-'} "
         f"| {worst.name} {worst.htp.rel_l2:.3g} (floor {worst.floor.rel_l2:.3g}) "
         f"| {export_s:.0f} + {compiled.lower_seconds:.0f} + {run_s:.0f} |"
@@ -99,6 +122,9 @@ def main() -> int:
     parser.add_argument("--size", nargs="+", type=int, default=[32])
     parser.add_argument("--tensors", action="store_true", help="per-tensor report too")
     parser.add_argument(
+        "--inputs", type=int, default=1, help="judge errors pooled over this many inputs"
+    )
+    parser.add_argument(
         "--cpu", action="store_true", help="check the all-CPU programs against fp32 torch instead"
     )
     parser.add_argument(
@@ -140,7 +166,7 @@ def sweep(args: argparse.Namespace) -> int:
     )
     for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
         try:
-            row, report = measure(arch, scheme, soc, size)
+            row, report = measure(arch, scheme, soc, size, args.inputs)
         except Exception as err:  # one graph's failure must not hide the others
             print(
                 f"| {arch} | {scheme} | {size} | {soc} | failed: "

@@ -70,6 +70,32 @@ def test_cosine_limit_follows_the_rel_l2_factor():
     assert not row.within and "rel_l2" in row.why() and "cosine" in row.why()
 
 
+def test_pooled_report_judges_each_tensors_errors_over_inputs():
+    def report(htp: float, floor: float) -> fidelity.Report:
+        cos = 1 - htp**2 / 2, 1 - floor**2 / 2  # errors orthogonal to the reference
+        return fidelity.Report(
+            [
+                fidelity.Row(
+                    "t", fidelity.Metrics(htp, htp, cos[0]), fidelity.Metrics(floor, floor, cos[1])
+                )
+            ]
+        )
+
+    # fp16's error on one input is a draw: lucky on the first, unlucky on the second
+    lucky, unlucky = report(0.12, 0.036), report(0.10, 0.30)
+    assert not lucky.within and unlucky.within
+    pooled = fidelity.pooled([lucky, unlucky])
+    (row,) = pooled.rows
+    assert row.htp.rel_l2 == pytest.approx(((0.12**2 + 0.10**2) / 2) ** 0.5)
+    assert row.floor.rel_l2 == pytest.approx(((0.036**2 + 0.30**2) / 2) ** 0.5)
+    assert 1 - row.htp.cosine == pytest.approx((0.12**2 + 0.10**2) / 4)
+    assert row.htp.max_rel == 0.12 and pooled.within
+    # a lowering worse than fp16 on every input stays outside when pooled
+    assert not fidelity.pooled([report(0.3, 0.1), report(0.25, 0.1)]).within
+    with pytest.raises(ValueError):
+        fidelity.pooled([])
+
+
 # --- batch norm: the rewrite's structure (no SDK) ---------------------------------
 
 

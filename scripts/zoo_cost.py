@@ -216,6 +216,11 @@ def main(argv: list[str] | None = None) -> int:
         help="redo only the Saver part of this row's last result in the --json file",
     )
     parser.add_argument(
+        "--cpu-only",
+        action="store_true",
+        help="redo only the backward-on-CPU part of this row's last result in the --json file",
+    )
+    parser.add_argument(
         "--no-htp",
         dest="htp",
         action="store_false",
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not (args.arch and args.scheme):
         parser.error("arch and scheme are required (or --table FILE)")
-    if args.saver_only:  # redo the Saver part of the last result of this row in --json
+    if args.saver_only or args.cpu_only:  # redo one part of this row's last result in --json
         key = (args.arch, args.scheme, args.size, args.soc)
         lines = args.json.read_text().splitlines()
         result = next(
@@ -236,9 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             for r in map(json.loads, reversed(lines))
             if (r["arch"], r["scheme"], r["size"], r["soc"]) == key
         )
-        result["saver"] = saver_part(
-            zoo.graph(args.arch, args.scheme, args.size), args.soc, args.keep
-        )
+        graph = zoo.graph(args.arch, args.scheme, args.size)
+        if args.saver_only:
+            result["saver"] = saver_part(graph, args.soc, args.keep)
+        if args.cpu_only:
+            on_cpu = cost.measure_program(
+                graph.program, graph.model, args.soc, "backward on CPU", set(cost.BACKWARD_ON_CPU)
+            )
+            result["on_cpu"] = lowered_dict(on_cpu)
     else:
         result = measure(
             args.arch, args.scheme, args.soc, args.size, args.cpu_baseline, args.keep, args.htp

@@ -8,23 +8,44 @@ docs/cost.md for what these numbers are worth on the simulator.
 
     python scripts/op_cycles.py --model demo --runs 3
     python scripts/op_cycles.py --model demo --stride phases
+    python scripts/op_cycles.py --zoo resnet18 bias_only --runs 3 --summary
+
+``--zoo ARCH SCHEME`` profiles ``tests/zoo.graph(ARCH, SCHEME, --size)`` instead;
+``--summary`` adds the cycles per kind of op (``op_kind``) and run.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 
 from qnn_convbwd import api, options
 from qnn_convbwd.toolchain import ensure_sdk
 from qnn_convbwd.tools import models
 
+_ATEN = re.compile(r"aten_(.+?)_(?:default|tensor|scalar|int|dim|self|intlist)(?:_|$|:)", re.I)
+
+
+def op_kind(name: str) -> str:
+    """The aten op a QNN op is named after (``aten_convolution_backward_default_2_gb`` ->
+    ``convolution_backward``), else the name without its ``:OpId_<n>`` and numbers."""
+    match = _ATEN.search(name)
+    if match:
+        return match.group(1)
+    return re.sub(r"[_:]?(OpId_)?\d+", "", name.split(":")[0]) or name
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(models.TRAINING_MODELS), default="demo")
     parser.add_argument("--trainable", action="store_true")
+    parser.add_argument("--zoo", nargs=2, metavar=("ARCH", "SCHEME"), help="tests/zoo.graph")
+    parser.add_argument("--size", type=int, default=32, help="input size of --zoo")
+    parser.add_argument("--summary", action="store_true", help="cycles per kind of op too")
     parser.add_argument("--soc", default="SM8650")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
@@ -49,13 +70,21 @@ def main() -> None:
         generate_htp_compiler_spec(use_fp16=True),
         profile_level=args.level,
     )
-    case = models.TRAINING_MODELS[args.model](args.trainable)
+    if args.zoo:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        import zoo
+
+        graph = zoo.graph(*args.zoo, args.size)
+        title, joint, inputs = graph.name, graph.program, graph.inputs
+    else:
+        case = models.TRAINING_MODELS[args.model](args.trainable)
+        title, joint, inputs = case.name, case.joint(), case.inputs
     with api.enabled(**({"stride": args.stride} if args.stride else {})):
-        pte = api.lower(case.joint(), specs).edge.to_executorch().buffer
+        pte = api.lower(joint, specs).edge.to_executorch().buffer
     program = Runtime.get().load_program(pte, enable_etdump=True, debug_buffer_size=int(1e7))
     method = program.load_method("forward")
     for _ in range(args.runs):
-        method.execute(list(case.inputs))
+        method.execute(list(inputs))
     with tempfile.TemporaryDirectory() as tmp:
         etdump, debug = Path(tmp, "run.etdp"), Path(tmp, "debug.bin")
         program.write_etdump_result_to_file(str(etdump), str(debug))
@@ -72,9 +101,25 @@ def main() -> None:
         if any(name.endswith("(cycles)") for name in events):
             runs.append(events)
     names = [n for n in runs[0] if n.endswith("(cycles)")] if runs else []
-    print(f"{case.name} on {args.soc}, profile level {args.level}: cycles per run")
-    for name in names:
-        print(f"{name[: -len(' (cycles)')]:<70}" + "".join(f"{r.get(name, 0):>12,}" for r in runs))
+    print(f"{title} on {args.soc}, profile level {args.level}: cycles per run")
+    for event in names:
+        print(
+            f"{event[: -len(' (cycles)')]:<70}" + "".join(f"{r.get(event, 0):>12,}" for r in runs)
+        )
+    if args.summary:
+        kinds: dict[str, list[int]] = defaultdict(lambda: [0] * len(runs))
+        counts: dict[str, int] = defaultdict(int)
+        for event in names:
+            if "OpId_" not in event:  # totals (accelerator, QNN execute), not an op
+                continue
+            kind = op_kind(event)
+            counts[kind] += 1
+            for i, r in enumerate(runs):
+                kinds[kind][i] += r.get(event, 0)
+        print("| op kind | ops | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |")
+        print("|---|---|" + "---|" * len(runs))
+        for kind, cycles in sorted(kinds.items(), key=lambda kv: -kv[1][-1]):
+            print(f"| {kind} | {counts[kind]} | " + " | ".join(f"{c:,}" for c in cycles) + " |")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,14 @@
 """Forward precision of a torchvision model's blocks on the HTP simulator, block by block.
 
 Each block of ``net.features`` (EfficientNet's stages expanded into their MBConv
-blocks) and the head, fed the fp32 input it gets in the whole net
-(``tests/zoo.calibrated``: random weights, batch-norm statistics from random
-batches), is exported alone as an inference program, lowered with
-``qnn_convbwd.lower`` and run. One markdown row per block: relative L2 of the
-HTP's output and of torch fp16's (the block in float16 on CPU) against fp32,
-their ratio, and the HTP error's systematic parts: the least-squares gain
-``<htp, ref> / <ref, ref> - 1`` and the mean error over the rms error.
+blocks; ShuffleNetV2's ``conv1``, ``maxpool`` and the blocks of its stages) and
+the head, fed the fp32 input it gets in the whole net (``tests/zoo.calibrated``:
+random weights, batch-norm statistics from random batches), is exported alone
+as an inference program, lowered with ``qnn_convbwd.lower`` and run. One
+markdown row per block: relative L2 of the HTP's output and of torch fp16's
+(the block in float16 on CPU) against fp32, their ratio, and the HTP error's
+systematic parts: the least-squares gain ``<htp, ref> / <ref, ref> - 1`` and
+the mean error over the rms error.
 
     PYTHONPATH=. python scripts/forward_bisect.py efficientnet_b0 [--size 32] [--soc SM8650]
         [--blocks 3 4] [--prefix] [--set OPTION=VALUE ...]
@@ -36,27 +37,47 @@ from qnn_convbwd.tools import fidelity  # noqa: E402
 
 
 class Head(torch.nn.Module):
-    """The classifier after ``features``: pool, flatten, classifier."""
+    """The classifier after the feature extractor, as the net's own ``forward`` runs it.
+
+    EfficientNet / MobileNet: pool, flatten, classifier; SqueezeNet: classifier
+    (its pool is in it), flatten; ShuffleNetV2: ``conv5``, spatial mean, ``fc``.
+    """
 
     def __init__(self, net: torch.nn.Module) -> None:
         super().__init__()
-        self.avgpool = net.avgpool
-        self.classifier = net.classifier
+        self.avgpool = getattr(net, "avgpool", None)
+        self.conv5 = getattr(net, "conv5", None)
+        self.classifier = net.fc if self.conv5 is not None else net.classifier
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.conv5 is not None:  # ShuffleNetV2
+            return self.classifier(self.conv5(x).mean([2, 3]))
+        if self.avgpool is None:  # SqueezeNet
+            return torch.flatten(self.classifier(x), 1)
         return self.classifier(torch.flatten(self.avgpool(x), 1))
 
 
+def _trunk(net: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, stage) of the feature extractor: ``features``' children, or ShuffleNet's parts."""
+    if hasattr(net, "features"):
+        return [(f"features.{n}", c) for n, c in net.features.named_children()]
+    return [(n, getattr(net, n)) for n in ("conv1", "maxpool", "stage2", "stage3", "stage4")]
+
+
 def blocks(net: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) in execution order: each block of ``features`` and the head."""
+    """(name, module) in execution order: each block of the feature extractor and the head.
+
+    A stage that is a ``Sequential`` of blocks (EfficientNet's MBConv stages,
+    ShuffleNet's ``stageN``) is expanded into its blocks.
+    """
     out = []
-    for name, child in net.features.named_children():
+    for name, child in _trunk(net):
         if isinstance(child, torch.nn.Sequential) and not isinstance(
             child[0], (torch.nn.Conv2d, torch.nn.BatchNorm2d)
         ):
-            out += [(f"features.{name}.{n}", c) for n, c in child.named_children()]
+            out += [(f"{name}.{n}", c) for n, c in child.named_children()]
         else:
-            out.append((f"features.{name}", child))
+            out.append((name, child))
     out.append(("head", Head(net)))
     return out
 
@@ -118,6 +139,8 @@ def bisect(args: argparse.Namespace) -> int:
         for _, module in units:
             inputs.append(h)
             h = module(h)
+        if not torch.allclose(h, net(x), rtol=1e-5, atol=1e-6):
+            raise RuntimeError(f"{args.arch}: the blocks composed are not the net")
     chosen = args.blocks if args.blocks else range(len(units))
     print(
         "| # | block | input | delegates | HTP rel L2 | fp16 rel L2 | ratio "

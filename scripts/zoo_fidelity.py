@@ -13,6 +13,10 @@ program runs on ExecuTorch's CPU kernels: the row then checks those.
 
 (the architectures first: ``--size`` and the others take several values.)
 
+``--spread DRAWS`` adds a column: how many tensors are ill-conditioned
+(``fidelity.input_spread``: an fp32 step with its input moved by one fp16
+rounding is already outside the limit), and how many of those are outside.
+
 ``--set`` lowers with ``qnn_convbwd.enabled(OPTION=VALUE)`` (e.g.
 ``mul_over_add=keep``; numbers are parsed as floats).
 
@@ -52,7 +56,7 @@ def more_inputs(graph, count: int) -> list[tuple[torch.Tensor, ...]]:
 
 
 def measure(
-    arch: str, scheme: str, soc: str, size: int, inputs: int = 1
+    arch: str, scheme: str, soc: str, size: int, inputs: int = 1, spread: int = 0
 ) -> tuple[str, fidelity.Report]:
     start = time.perf_counter()
     graph = zoo.graph(arch, scheme, size)
@@ -79,6 +83,13 @@ def measure(
         f"| {worst.name} {worst.htp.rel_l2:.3g} (floor {worst.floor.rel_l2:.3g}) "
         f"| {export_s:.0f} + {compiled.lower_seconds:.0f} + {run_s:.0f} |"
     )
+    if spread:
+        spreads = fidelity.input_spread(graph.model, graph.inputs, graph.program, spread)
+        ill = set(report.ill_conditioned(spreads))
+        outside = [r.name for r in report.rows if not r.within]
+        row += (
+            f" {len(ill)} ({len([n for n in outside if n in ill])} of the {len(outside)} outside) |"
+        )
     return row, report
 
 
@@ -125,6 +136,13 @@ def main() -> int:
         "--inputs", type=int, default=1, help="judge errors pooled over this many inputs"
     )
     parser.add_argument(
+        "--spread",
+        type=int,
+        default=0,
+        metavar="DRAWS",
+        help="also count the ill-conditioned tensors (fidelity.input_spread, DRAWS draws)",
+    )
+    parser.add_argument(
         "--cpu", action="store_true", help="check the all-CPU programs against fp32 torch instead"
     )
     parser.add_argument(
@@ -159,14 +177,15 @@ def sweep(args: argparse.Namespace) -> int:
             print(row, flush=True)
             ok &= right
         return 0 if ok else 1
+    extra = " ill-conditioned |" if args.spread else ""
     print(
         "| model | scheme | px | SoC | delegates | on CPU | convolution_backward delegated "
-        "| outputs | within | offending | worst rel L2 | export + lower + run s |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        f"| outputs | within | offending | worst rel L2 | export + lower + run s |{extra}\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extra else "")
     )
     for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
         try:
-            row, report = measure(arch, scheme, soc, size, args.inputs)
+            row, report = measure(arch, scheme, soc, size, args.inputs, args.spread)
         except Exception as err:  # one graph's failure must not hide the others
             print(
                 f"| {arch} | {scheme} | {size} | {soc} | failed: "

@@ -96,6 +96,62 @@ def test_pooled_report_judges_each_tensors_errors_over_inputs():
         fidelity.pooled([])
 
 
+class _ReluNet(nn.Module):
+    """Linear, ReLU, Linear, MSE; the hidden pre-activations are ``margin`` exactly."""
+
+    def __init__(self, margin: float) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.hidden = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 4)
+        with torch.no_grad():
+            self.hidden.weight.copy_(torch.randn(16, 8, generator=g))
+            self.out.weight.copy_(torch.randn(4, 16, generator=g))
+        self.x = torch.randn(1, 8, generator=g)
+        with torch.no_grad():  # every hidden unit sits at `margin` for the input self.x
+            self.hidden.bias.copy_(margin - (self.x @ self.hidden.weight.T)[0])
+
+    def forward(self, x, target):
+        h = torch.relu(self.hidden(x))
+        return nn.functional.mse_loss(self.out(h), target)
+
+
+def _relu_step(margin: float):
+    from torch.export.experimental import _export_forward_backward
+
+    model = _ReluNet(margin)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("bias"))
+    inputs = (model.x.clone(), torch.randn(1, 4, generator=torch.Generator().manual_seed(1)))
+    joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
+    reference = models.autograd_reference(model, inputs, joint)
+    fp16 = fidelity.fp16_reference(model, inputs, joint)
+    return fidelity.assess(joint, fp16, reference, fp16), fidelity.input_spread(
+        model, inputs, joint
+    )
+
+
+def test_input_spread_is_large_where_relu_masks_flip_with_the_last_bit():
+    # hidden units at a margin of 1: a move of one fp16 rounding changes nothing
+    report, spread = _relu_step(margin=1.0)
+    assert report.ill_conditioned(spread) == []
+    assert max(spread) < 8 * fidelity.UNIT_ROUNDOFF
+    # at a margin of 1e-4 the masks flip with the input's last bit (it moves the
+    # pre-activations by ~1e-3): hidden.bias's gradient is a draw
+    report, spread = _relu_step(margin=1e-4)
+    names = [r.name for r in report.rows]
+    assert spread[names.index("hidden.bias")] > 0.1
+
+
+def test_ill_conditioned_names_tensors_whose_spread_exceeds_their_limit():
+    b = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    floor = fidelity.Metrics.of(b * 1.01, b)  # limit 2 * 0.01 + 1e-3
+    report = fidelity.Report([fidelity.Row(n, floor, floor) for n in ("loss", "a", "b")])
+    assert report.ill_conditioned([0.0, 0.02, 0.03]) == ["b"]
+    with pytest.raises(ValueError, match="2 spreads for 3 tensors"):
+        report.ill_conditioned([0.0, 0.0])
+
+
 # --- batch norm: the rewrite's structure (no SDK) ---------------------------------
 
 

@@ -24,6 +24,13 @@ a bias gradient with rel_l2 0.173 against the floor's 0.164 (1.06x) has cosine
 a loss or a bias gradient of few terms): 1e-3 is twice fp16's unit roundoff
 (2**-11 = 4.9e-4) in relative L2, the error of one rounding to fp16 of every
 element, which no fp16 computation can be asked to beat.
+
+The verdict of one sample assumes the step is well conditioned: that an error
+of fp16's size in the forward moves each gradient by about as much in every
+fp16 computation. ``input_spread`` checks it: fp32 steps whose inputs are moved
+by at most one fp16 unit roundoff, each judged like the HTP. A tensor one of
+them already fails (``Report.ill_conditioned``) is decided by where ReLU masks
+flip, not by the lowering (docs/zoo.md: ShuffleNetV2 and SqueezeNet at 32 px).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from collections.abc import Sequence
 import torch
 
 REL_L2_FACTOR = 2.0
+UNIT_ROUNDOFF = 2.0**-11  # fp16
 REL_L2_EPS = 1e-3
 COSINE_SLACK = 1e-3
 
@@ -127,6 +135,17 @@ class Report:
         """The row with the largest relative L2 error on the HTP."""
         return max(self.rows, key=lambda r: r.htp.rel_l2)
 
+    def ill_conditioned(self, spread: Sequence[float]) -> list[str]:
+        """Names of the tensors whose ``input_spread`` exceeds their relative-L2 limit.
+
+        ``spread`` is in output order, one value per row. Such a tensor is outside
+        the limit in an fp32 step whose input moved by one fp16 rounding: its
+        verdict does not tell the lowering from fp16 noise.
+        """
+        if len(spread) != len(self.rows):
+            raise ValueError(f"{len(spread)} spreads for {len(self.rows)} tensors")
+        return [r.name for r, s in zip(self.rows, spread) if s > r.rel_l2_limit]
+
     def to_markdown(self) -> str:
         head = (
             "| tensor | max-abs rel | rel L2 | cosine | fp16 max-abs rel | fp16 rel L2 "
@@ -217,6 +236,37 @@ def fp16_reference(
         else:
             out.append(params[name].grad.detach().float() / loss_scale)
     return out
+
+
+def input_spread(
+    model: torch.nn.Module,
+    inputs: Sequence[torch.Tensor],
+    joint: torch.export.ExportedProgram,
+    draws: int = 4,
+    seed: int = 0,
+) -> list[float]:
+    """Per output, the largest relative L2 of ``draws`` perturbed fp32 steps against fp32.
+
+    Each draw multiplies every floating-point input element by ``1 + u *
+    UNIT_ROUNDOFF``, ``u`` uniform on [-1, 1] (a move no larger than rounding the
+    input to fp16), and runs fp32 eager autograd; outputs in the joint program's
+    order, like ``models.autograd_reference``.
+    """
+    from .models import autograd_reference
+
+    reference = autograd_reference(model, tuple(inputs), joint)
+    generator = torch.Generator().manual_seed(seed)
+    worst = [0.0] * len(reference)
+    for _ in range(draws):
+        moved = tuple(
+            t.detach() * (1 + (torch.rand(t.shape, generator=generator) * 2 - 1) * UNIT_ROUNDOFF)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t
+            for t in inputs
+        )
+        step = autograd_reference(model, moved, joint)
+        worst = [max(w, Metrics.of(s, r).rel_l2) for w, s, r in zip(worst, step, reference)]
+    return worst
 
 
 def assess(

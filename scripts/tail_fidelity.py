@@ -1,0 +1,76 @@
+"""Fidelity of the training step of a torchvision model's tail, fed its fp32 activation.
+
+The blocks ``forward_bisect.blocks`` lists from index START on (to the head),
+trained by SCHEME (``zoo.trainable`` names, e.g. every bias), MSE against the
+zoo graph's target, fed the fp32 activation the whole net computes at START for
+the zoo graph's input. Lowered with ``qnn_convbwd.lower``, run on the simulator,
+judged per tensor with ``qnn_convbwd.tools.fidelity``: whether a gradient's error
+is made in the tail or comes with the forward error of the blocks before it.
+
+    PYTHONPATH=. python scripts/tail_fidelity.py shufflenet_v2_x0_5 14 [--scheme bias_only]
+        [--soc SM8650] [--set OPTION=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import zoo  # noqa: E402
+from forward_bisect import blocks  # noqa: E402
+from torch.export.experimental import _export_forward_backward  # noqa: E402
+from zoo_fidelity import parse_options  # noqa: E402
+
+import qnn_convbwd  # noqa: E402
+from qnn_convbwd.toolchain import harness  # noqa: E402
+from qnn_convbwd.tools import fidelity, models  # noqa: E402
+
+
+def tail_graph(arch: str, start: int, scheme: str, size: int = 32) -> models.TrainingGraph:
+    """The training graph of ``blocks(net)[start:]`` fed the fp32 activation at ``start``."""
+    net = zoo.calibrated(arch, size)
+    train = set(zoo.trainable(net, scheme))
+    for name, parameter in net.named_parameters():
+        parameter.requires_grad_(name in train)
+    x, target = torch.randn(1, 3, size, size), torch.randn(1, 10)  # zoo.graph's draws
+    units = blocks(net)
+    with torch.no_grad():
+        for _, module in units[:start]:
+            x = module(x)
+    model = zoo.Finetune(torch.nn.Sequential(*[m for _, m in units[start:]]))
+    inputs = (x, target)
+    joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
+    names = ", ".join(name for name, _ in units[start:])
+    return models.TrainingGraph(f"{arch}[{start}:] ({names})", model, inputs, joint)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("arch")
+    parser.add_argument("start", type=int, help="index into forward_bisect.blocks")
+    parser.add_argument("--scheme", default="bias_only", choices=zoo.SCHEMES[:3])
+    parser.add_argument("--soc", default="SM8650")
+    parser.add_argument(
+        "--set", nargs="*", default=[], metavar="OPTION=VALUE", help="qnn_convbwd options"
+    )
+    args = parser.parse_args()
+    graph = tail_graph(args.arch, args.start, args.scheme)
+    with qnn_convbwd.enabled(**parse_options(args.set)):
+        compiled = harness.lower_program(graph.program, args.soc)
+        outputs = zoo.joint_outputs(graph, compiled.run(list(graph.inputs)))
+    report = fidelity.assess_model(graph.model, graph.inputs, graph.program, outputs)
+    print(
+        f"{graph.name}: {harness.delegate_count(compiled.edge)} delegate(s), input "
+        f"{tuple(graph.inputs[0].shape)}"
+    )
+    print(report.to_markdown())
+    return 0 if report.within else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

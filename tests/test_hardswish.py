@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from test_distribute_mul import gain
-from test_sigmoid import Mse, _flat_inputs
+from test_sigmoid import _flat_inputs, bias_only_joint
 from torch import nn
 
 import qnn_convbwd
@@ -44,21 +44,7 @@ class HardBlock(nn.Module):
 
 
 def _hard_graph(size: int = 16, seed: int = 0):
-    from torch.export.experimental import _export_forward_backward
-
-    from qnn_convbwd.tools import numerics_models as nm
-
-    torch.manual_seed(seed)
-    net = HardBlock()
-    nm.calibrate(net, (4, 3, size, size), seed=seed)
-    for name, param in net.named_parameters():
-        param.requires_grad_(name.endswith("bias"))
-    model = Mse(net)
-    x = torch.randn(1, 3, size, size) * 2
-    with torch.no_grad():
-        target = torch.randn_like(net(x))
-    joint = _export_forward_backward(torch.export.export(model, (x, target), strict=True))
-    return model, (x, target), joint
+    return bias_only_joint(HardBlock, size, seed)
 
 
 def _count(gm: torch.fx.GraphModule, op: str) -> int:

@@ -34,10 +34,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration
 from .batch_norm import _Builder
+from .gated import OptionGatedPass
 
 logger = logging.getLogger(__name__)
 
@@ -212,19 +212,14 @@ def centre_hard_activations(graph_module: torch.fx.GraphModule, edge_program=Non
     return changed
 
 
-class CentredHardActivations(PassBase):
+class CentredHardActivations(OptionGatedPass):
     """to_edge transform pass running ``centre_hard_activations`` (options.hardswish)."""
 
-    def __init__(self, edge_program=None) -> None:
-        super().__init__()
-        self.edge_program = edge_program
+    def enabled(self, options) -> bool:
+        return options.hardswish == "centred"
 
-    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        from .. import options
-
-        if options.current.hardswish != "centred":
-            return PassResult(graph_module, False)
+    def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
         changed = centre_hard_activations(graph_module, self.edge_program)
         if changed:
             logger.info("hardswish / hardsigmoid: %d rewritten centred on zero", changed)
-        return PassResult(graph_module, changed > 0)
+        return changed

@@ -66,27 +66,36 @@ def _scalar(value: object, edge_program) -> float | None:
         if any(f".{name}." in str(value.target) for name in _TRANSPARENT) and value.args:
             return _scalar(value.args[0], edge_program)
         return None
-    if value.op == "get_attr" or _is_constant_input(value, edge_program):
+    if value.op == "get_attr":
         return float(integration.get("get_parameter")(value, edge_program).float().item())
-    return None
+    constant = _constant_input(value, edge_program)
+    return None if constant is None else float(constant.float().reshape(-1)[0])
 
 
-def _is_constant_input(node: torch.fx.Node, edge_program) -> bool:
-    """A lifted tensor constant or a buffer the program does not mutate.
+def _constant_input(node: torch.fx.Node, edge_program) -> torch.Tensor | None:
+    """The value of a lifted tensor constant or of a buffer the program does not mutate.
 
-    The joint graph lists its lifted constants (the decomposition's 3 and 6) as buffers.
+    The joint graph lists its lifted constants (the decomposition's 3 and 6) as
+    buffers. Inside executorch's QNN pass manager the graph's placeholder names
+    can differ from the signature's (``b__lifted_tensor_constant2`` for
+    ``_lifted_tensor_constant2``): a placeholder is then matched by position.
     """
     if edge_program is None or node.op != "placeholder":
-        return False
+        return None
     signature = edge_program.graph_signature
-    for spec in signature.input_specs:
-        if spec.arg.name == node.name:
-            if spec.kind.name == "CONSTANT_TENSOR":
-                return True
-            return spec.kind.name == "BUFFER" and spec.target not in set(
-                signature.buffers_to_mutate.values()
-            )
-    return False
+    specs = signature.input_specs
+    spec = next((s for s in specs if s.arg.name == node.name), None)
+    if spec is None:
+        placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != len(specs):
+            return None
+        spec = specs[placeholders.index(node)]
+    if spec.kind.name == "BUFFER" and spec.target in set(signature.buffers_to_mutate.values()):
+        return None
+    if spec.kind.name not in ("BUFFER", "CONSTANT_TENSOR"):
+        return None
+    value = {**edge_program.state_dict, **edge_program.constants}.get(spec.target)
+    return value if isinstance(value, torch.Tensor) and value.numel() == 1 else None
 
 
 def _is(node: object, target) -> bool:

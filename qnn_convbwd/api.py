@@ -23,6 +23,7 @@ from .passes import int64_constants, layout, preserve_output_dtypes, record_outp
 from .passes.batch_norm import StableBatchNorm
 from .passes.canonicalize import CanonicalizeConvolutionBackward
 from .passes.distribute_mul import DistributeMul
+from .passes.hardswish import CentredHardActivations
 from .passes.loss_scale import ScaleLoss
 from .passes.sigmoid import StableSigmoid
 
@@ -118,7 +119,14 @@ def _hooks() -> integration.Hooks:
     hooks.on_support_init = _on_support_init
     hooks.is_node_supported = _is_node_supported
     hooks.transform_pass = CanonicalizeConvolutionBackward
-    hooks.extra_transform_passes = (StableBatchNorm, StableSigmoid, DistributeMul, ScaleLoss)
+    # CentredHardActivations before DistributeMul: a gate a * (clamp(..) + 1/2) is distributed.
+    hooks.extra_transform_passes = (
+        StableBatchNorm,
+        StableSigmoid,
+        CentredHardActivations,
+        DistributeMul,
+        ScaleLoss,
+    )
     hooks.layout_edge_condition = layout.is_edge_condition
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes

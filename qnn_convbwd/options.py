@@ -57,6 +57,15 @@ SIGMOID_MODES = ("tanh", "executorch")
 #   "keep"       as the graph has it.
 MUL_OVER_ADD_MODES = ("distribute", "keep")
 
+# How hardswish and hardsigmoid (the ops, or autograd's decomposition
+# x * clamp(x + 3, 0, 6) / 6 of a training graph) are lowered:
+#   "centred"    passes.hardswish: x / 2 + x * clamp(x / 6, -1/2, 1/2) and
+#                clamp(x / 6, -1/2, 1/2) + 1/2 (1.1x torch fp16's error on the HTP;
+#                the decomposition is 1.5x and biased low, QNN's HardSwish 1.57x,
+#                docs/numerics.md);
+#   "executorch" as the graph has it (the decomposition, or QNN's ops).
+HARDSWISH_MODES = ("centred", "executorch")
+
 
 # The largest finite float16: the loss scale seeds the backward as an fp16 tensor.
 FP16_MAX = 65504.0
@@ -70,6 +79,7 @@ class Options:
     batch_norm: str = "decompose"
     sigmoid: str = "tanh"
     mul_over_add: str = "distribute"
+    hardswish: str = "centred"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
     # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
     # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
@@ -84,6 +94,7 @@ class Options:
             ("batch_norm", BATCH_NORM_MODES),
             ("sigmoid", SIGMOID_MODES),
             ("mul_over_add", MUL_OVER_ADD_MODES),
+            ("hardswish", HARDSWISH_MODES),
         ):
             value = getattr(self, field)
             if value not in choices:

@@ -58,12 +58,17 @@ class Mse(nn.Module):
 
 
 def _silu_graph(size: int = 16, seed: int = 0):
+    return bias_only_joint(SiLUBlock, size, seed)
+
+
+def bias_only_joint(make_net, size: int = 16, seed: int = 0):
+    """(model, inputs, joint graph) of ``make_net()`` calibrated, biases trained, MSE."""
     from torch.export.experimental import _export_forward_backward
 
     from qnn_convbwd.tools import numerics_models as nm
 
     torch.manual_seed(seed)
-    net = SiLUBlock()
+    net = make_net()
     nm.calibrate(net, (4, 3, size, size), seed=seed)
     for name, param in net.named_parameters():
         param.requires_grad_(name.endswith("bias"))

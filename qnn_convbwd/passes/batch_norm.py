@@ -34,9 +34,9 @@ import logging
 import operator
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration
+from .gated import OptionGatedPass
 
 logger = logging.getLogger(__name__)
 
@@ -216,22 +216,17 @@ def decompose_batch_norm(
     return changed
 
 
-class StableBatchNorm(PassBase):
+class StableBatchNorm(OptionGatedPass):
     """to_edge transform pass running ``decompose_batch_norm`` (options.batch_norm)."""
 
     # Fold a frozen weight into the scale constant (see decompose_batch_norm).
     fold_weight = True
 
-    def __init__(self, edge_program=None) -> None:
-        super().__init__()
-        self.edge_program = edge_program
+    def enabled(self, options) -> bool:
+        return options.batch_norm == "decompose"
 
-    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        from .. import options
-
-        if options.current.batch_norm != "decompose":
-            return PassResult(graph_module, False)
+    def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
         changed = decompose_batch_norm(graph_module, self.edge_program, self.fold_weight)
         if changed:
             changed += fold_frozen_statistics(graph_module, self.edge_program)
-        return PassResult(graph_module, changed > 0)
+        return changed

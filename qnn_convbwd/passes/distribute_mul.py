@@ -26,9 +26,9 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .batch_norm import _Builder
+from .gated import OptionGatedPass
 
 logger = logging.getLogger(__name__)
 
@@ -122,21 +122,16 @@ def distribute_mul(graph_module: torch.fx.GraphModule) -> int:
     return changed
 
 
-class DistributeMul(PassBase):
+class DistributeMul(OptionGatedPass):
     """to_edge transform pass running ``distribute_mul`` (options.mul_over_add)."""
 
-    def __init__(self, edge_program=None) -> None:
-        super().__init__()
-        self.edge_program = edge_program
+    def enabled(self, options) -> bool:
+        return options.mul_over_add == "distribute"
 
-    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        from .. import options
-
-        if options.current.mul_over_add != "distribute":
-            return PassResult(graph_module, False)
+    def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
         changed = distribute_mul(graph_module)
         if changed:
             logger.info(
                 "mul over add: %d multiplications of a sum with a constant distributed", changed
             )
-        return PassResult(graph_module, changed > 0)
+        return changed

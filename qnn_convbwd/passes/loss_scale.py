@@ -16,10 +16,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration
 from ..meta import UNSCALE
+from .gated import OptionGatedPass
 
 logger = logging.getLogger(__name__)
 
@@ -95,17 +95,13 @@ def scale_loss(graph_module: torch.fx.GraphModule, edge_program, scale: float) -
     return unscaled
 
 
-class ScaleLoss(PassBase):
+class ScaleLoss(OptionGatedPass):
     """to_edge transform pass running ``scale_loss`` with ``options.current.loss_scale``."""
 
-    def __init__(self, edge_program=None) -> None:
-        super().__init__()
-        self.edge_program = edge_program
+    def enabled(self, options) -> bool:
+        return options.loss_scale != 1.0 and self.edge_program is not None
 
-    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+    def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
         from .. import options
 
-        scale = options.current.loss_scale
-        if scale == 1.0 or self.edge_program is None:
-            return PassResult(graph_module, False)
-        return PassResult(graph_module, scale_loss(graph_module, self.edge_program, scale) > 0)
+        return scale_loss(graph_module, self.edge_program, options.current.loss_scale)

@@ -19,10 +19,10 @@ end up on CPU compute the same function in fp32.
 from __future__ import annotations
 
 import torch
-from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration
 from .batch_norm import _Builder
+from .gated import OptionGatedPass
 
 
 def _edge_sigmoid():
@@ -56,16 +56,11 @@ def rewrite_sigmoids(graph_module: torch.fx.GraphModule) -> int:
     return changed
 
 
-class StableSigmoid(PassBase):
+class StableSigmoid(OptionGatedPass):
     """to_edge transform pass running ``rewrite_sigmoids`` (options.sigmoid)."""
 
-    def __init__(self, edge_program=None) -> None:
-        super().__init__()
-        self.edge_program = edge_program
+    def enabled(self, options) -> bool:
+        return options.sigmoid == "tanh"
 
-    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
-        from .. import options
-
-        if options.current.sigmoid != "tanh":
-            return PassResult(graph_module, False)
-        return PassResult(graph_module, rewrite_sigmoids(graph_module) > 0)
+    def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
+        return rewrite_sigmoids(graph_module)

@@ -211,6 +211,10 @@ def test_plain_executorch_cannot_lower_the_joint_graph(qnn_sdk, small_graph):
 
 
 @pytest.mark.htp
+@pytest.mark.slow(
+    reason="the bench's whole run of one graph (five lowerings); the counts it records "
+    "are checked on lowered programs by test_counts_on_lowered_programs_*"
+)
 def test_measure_graph_records_every_mode(qnn_sdk):
     spec = bench.GraphSpec("resnet", 8, trainable_backbone=False)
     with bench.Simulator() as sim:

@@ -109,6 +109,9 @@ def test_resnet18_whole_graph_gradients_match_torch(resnet18_on_sm8650, resnet18
     _assert_matches(resnet18, outputs, [UPSTREAM, "net.layer4.1.bn1.bias"])
 
 
+@pytest.mark.slow(
+    reason="test_max_pool's zoo pool configs on the HTP, isolated inside a whole resnet18"
+)
 def test_resnet18_pool_backward_alone_on_htp_matches_torch(qnn_sdk, resnet18):
     """Every other op kept on CPU: bn1.bias's gradient differs from torch's by what the
     pool backward on HTP does to it."""
@@ -123,6 +126,7 @@ def test_resnet18_pool_backward_alone_on_htp_matches_torch(qnn_sdk, resnet18):
     _assert_matches(resnet18, compiled.run(resnet18.inputs), [UPSTREAM])
 
 
+@pytest.mark.slow(reason="test_max_pool's V68 CPU-fallback case, on a whole resnet18")
 def test_resnet18_on_v68_pool_backward_on_cpu_is_right(qnn_sdk, resnet18):
     """V68: the rules keep the pool backward on CPU, where executorch 1.5.1's kernel is
     wrong (dirty buffer, padded-plane indices); the plugin's rewrite makes it right.

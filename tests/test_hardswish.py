@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from test_distribute_mul import gain
-from test_sigmoid import _flat_inputs, bias_only_joint
+from test_sigmoid import _flat_inputs, bias_only_joint, conv_bn
 from torch import nn
 
 import qnn_convbwd
@@ -24,17 +24,11 @@ class HardBlock(nn.Module):
 
     def __init__(self, channels: int = 8, hidden: int = 16) -> None:
         super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, channels, 3, 2, 1, bias=False), nn.BatchNorm2d(channels), nn.Hardswish()
-        )
-        self.expand = nn.Sequential(
-            nn.Conv2d(channels, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.Hardswish()
-        )
+        self.stem = conv_bn(3, channels, 3, 2, act=nn.Hardswish)
+        self.expand = conv_bn(channels, hidden, act=nn.Hardswish)
         self.reduce = nn.Conv2d(hidden, 8, 1)
         self.gate = nn.Conv2d(8, hidden, 1)
-        self.project = nn.Sequential(
-            nn.Conv2d(hidden, channels, 1, bias=False), nn.BatchNorm2d(channels)
-        )
+        self.project = conv_bn(hidden, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)

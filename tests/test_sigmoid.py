@@ -19,27 +19,28 @@ from qnn_convbwd.tools import fidelity
 SIGMOID = "aten.sigmoid.default"
 
 
+def conv_bn(
+    cin: int, cout: int, kernel: int = 1, stride: int = 1, groups: int = 1, act=None
+) -> nn.Sequential:
+    """Conv2d (no bias, padding kernel // 2) + BatchNorm2d, then ``act()`` if given."""
+    layers = [
+        nn.Conv2d(cin, cout, kernel, stride, kernel // 2, groups=groups, bias=False),
+        nn.BatchNorm2d(cout),
+    ]
+    return nn.Sequential(*layers, *([act()] if act else []))
+
+
 class SiLUBlock(nn.Module):
     """EfficientNet's MBConv in small: 1x1 + BN + SiLU, depthwise, sigmoid-gated SE, 1x1 + BN."""
 
     def __init__(self, channels: int = 8, hidden: int = 32) -> None:
         super().__init__()
-        self.stem = nn.Sequential(
-            nn.Conv2d(3, channels, 3, 2, 1, bias=False), nn.BatchNorm2d(channels), nn.SiLU()
-        )
-        self.expand = nn.Sequential(
-            nn.Conv2d(channels, hidden, 1, bias=False), nn.BatchNorm2d(hidden), nn.SiLU()
-        )
-        self.depthwise = nn.Sequential(
-            nn.Conv2d(hidden, hidden, 3, 1, 1, groups=hidden, bias=False),
-            nn.BatchNorm2d(hidden),
-            nn.SiLU(),
-        )
+        self.stem = conv_bn(3, channels, 3, 2, act=nn.SiLU)
+        self.expand = conv_bn(channels, hidden, act=nn.SiLU)
+        self.depthwise = conv_bn(hidden, hidden, 3, groups=hidden, act=nn.SiLU)
         self.reduce = nn.Conv2d(hidden, 8, 1)
         self.gate = nn.Conv2d(8, hidden, 1)
-        self.project = nn.Sequential(
-            nn.Conv2d(hidden, channels, 1, bias=False), nn.BatchNorm2d(channels)
-        )
+        self.project = conv_bn(hidden, channels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)

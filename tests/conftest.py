@@ -9,31 +9,22 @@ the default tier's representative ones. ``pytest.mark.slow(reason=...)`` says
 which; the skip names it.
 ``python -m pytest -m "not htp"`` is the quick tier (no QNN compile).
 
-Workers: ``-n auto --dist loadgroup`` (pyproject's addopts) runs one pytest-xdist
+Workers: ``-n auto --dist loadscope`` (pyproject's addopts) runs one pytest-xdist
 worker per core, at most ``MAX_WORKERS`` (each holds torch, executorch and QNN
-compiles, 1-2 GB). A module's tests stay together on one worker, in file order,
-so module fixtures are built once; modules sharing a session fixture share a
-group (``SHARED_GROUPS``). ``-n 0`` runs in one process (debuggers, ``-s``).
+compiles, 1-2 GB); ``tests/scheduling.py`` decides which tests run together on one
+worker (a module, or modules sharing a fixture) and in which order. ``-n 0`` runs
+in one process (debuggers, ``-s``).
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
 
 import pytest
+import scheduling
 
 MAX_WORKERS = 4
-
-# Modules whose tests read the same session fixture: one xdist group each, so the
-# fixture is built once (the resnet18 bias-only lowering, the CIFAR lowerings).
-SHARED_GROUPS = {
-    "test_zoo": "resnet18_bias_only",
-    "test_max_pool_zoo": "resnet18_bias_only",
-    "test_max_pool_forward": "cifar_on_sm8650",
-    "test_training": "cifar_on_sm8650",
-}
 
 
 def pytest_addoption(parser):
@@ -49,9 +40,6 @@ def pytest_xdist_auto_num_workers(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = Path(str(item.fspath)).stem
-        item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(module, module)))
-    for item in items:
         if "qnn_sdk" in getattr(item, "fixturenames", ()) and "htp" not in item.keywords:
             item.add_marker(pytest.mark.htp)
     if config.getoption("--slow"):
@@ -62,6 +50,10 @@ def pytest_collection_modifyitems(config, items):
             why = mark.kwargs.get("reason")
             what = f"long run ({why})" if why else "long run"
             item.add_marker(pytest.mark.skip(reason=f"{what}: select with --slow"))
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(scheduling, "qnn_convbwd_scheduling")
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from test_sigmoid import _flat_inputs, _silu_graph
+from test_sigmoid import _flat_inputs, silu_edge
 from torch import nn
 
 import qnn_convbwd
@@ -39,14 +39,10 @@ def _products_of_constant_sums(gm: torch.fx.GraphModule) -> list[str]:
 
 
 def test_silu_and_gates_of_a_joint_graph_are_distributed_with_the_same_values():
-    from executorch.exir import to_edge
-
-    from qnn_convbwd import integration
     from qnn_convbwd.passes.distribute_mul import distribute_mul
     from qnn_convbwd.passes.sigmoid import rewrite_sigmoids
 
-    model, inputs, joint = _silu_graph()
-    edge = to_edge(joint, compile_config=integration.get("qnn_edge_config")()).exported_program()
+    model, inputs, edge = silu_edge()
     gm = edge.graph_module
     expected = gm(*_flat_inputs(edge, inputs))
     sigmoids = rewrite_sigmoids(gm)

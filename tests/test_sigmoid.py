@@ -7,6 +7,7 @@ the tanh form at or below it).
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -81,6 +82,24 @@ def bias_only_joint(make_net, size: int = 16, seed: int = 0):
     return model, (x, target), joint
 
 
+@functools.cache
+def _silu_edge_built() -> tuple:
+    from executorch.exir import to_edge
+
+    from qnn_convbwd import integration
+
+    model, inputs, joint = _silu_graph()
+    edge = to_edge(joint, compile_config=integration.get("qnn_edge_config")()).exported_program()
+    return model, inputs, edge
+
+
+def silu_edge() -> tuple:
+    """(model, inputs, edge program) of ``_silu_graph()``: exported and taken to the edge
+    dialect once per process (4-5 s), and a copy per call, which the caller may rewrite."""
+    model, inputs, edge = _silu_edge_built()
+    return model, inputs, copy.deepcopy(edge)
+
+
 def _flat_inputs(edge: torch.export.ExportedProgram, user_inputs) -> list:
     """The graph module's placeholders' values: parameters, buffers, constants, inputs."""
     state = {**edge.state_dict, **edge.constants}
@@ -96,13 +115,9 @@ def _sigmoid_count(gm: torch.fx.GraphModule) -> int:
 
 
 def test_every_sigmoid_of_a_joint_graph_becomes_tanh_with_the_same_values():
-    from executorch.exir import to_edge
-
-    from qnn_convbwd import integration
     from qnn_convbwd.passes.sigmoid import rewrite_sigmoids
 
-    model, inputs, joint = _silu_graph()
-    edge = to_edge(joint, compile_config=integration.get("qnn_edge_config")()).exported_program()
+    model, inputs, edge = silu_edge()
     gm = edge.graph_module
     before = _sigmoid_count(gm)
     # SiLU x3 + the SE gate in the forward, each read again by its backward

@@ -33,7 +33,7 @@ from zoo_fidelity import parse_options  # noqa: E402
 
 import qnn_convbwd  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import fidelity  # noqa: E402
+from qnn_convbwd.tools import fidelity, reference_kernels  # noqa: E402
 
 
 class Head(torch.nn.Module):
@@ -93,7 +93,7 @@ def systematic(actual: torch.Tensor, reference: torch.Tensor) -> tuple[float, fl
 
 def measure(module: torch.nn.Module, x: torch.Tensor, soc: str) -> dict[str, float]:
     module = module.eval()
-    with torch.no_grad():
+    with torch.no_grad(), reference_kernels.pinned():  # a lowering above turned oneDNN off
         ref = module(x)
         half = copy.deepcopy(module).half()(x.half()).float()
     program = torch.export.export(module, (x,), strict=True)
@@ -134,7 +134,7 @@ def bisect(args: argparse.Namespace) -> int:
     x = torch.randn(1, 3, args.size, args.size)
     units = blocks(net)
     inputs = []
-    with torch.no_grad():
+    with torch.no_grad(), reference_kernels.pinned():
         h = x
         for _, module in units:
             inputs.append(h)

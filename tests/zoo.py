@@ -157,8 +157,12 @@ def calibrated(arch: str, size: int = 32, classes: int = 10, seed: int = 0) -> t
     """torchvision's ``arch`` with random weights (``seed``) and batch-norm statistics, eval().
 
     The statistics are the plain average (momentum None) of 3 train-mode passes
-    over random ``size`` x ``size`` batches of 4.
+    over random ``size`` x ``size`` batches of 4, with torch's CPU kernels pinned
+    (``reference_kernels.pinned``): executorch's QNN lowering turns oneDNN off for the
+    process on an AMD host, and statistics computed after a lowering were other numbers.
     """
+    from qnn_convbwd.tools import reference_kernels
+
     torchvision = import_torchvision()
     torch.manual_seed(seed)
     net = getattr(torchvision.models, arch)(num_classes=classes)
@@ -167,7 +171,7 @@ def calibrated(arch: str, size: int = 32, classes: int = 10, seed: int = 0) -> t
             module.momentum = None
             module.reset_running_stats()
     net.train()
-    with torch.no_grad():
+    with torch.no_grad(), reference_kernels.pinned():
         for _ in range(3):
             net(torch.randn(4, 3, size, size))
     return net.eval()

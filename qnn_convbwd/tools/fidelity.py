@@ -42,6 +42,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .reference_kernels import pinned
+
 REL_L2_FACTOR = 2.0
 UNIT_ROUNDOFF = 2.0**-11  # fp16
 REL_L2_EPS = 1e-3
@@ -218,7 +220,8 @@ def fp16_reference(
     batch-norm statistics and other buffers); the outputs are in the joint
     program's output order, like ``models.autograd_reference``. ``loss_scale``
     seeds the backward with that value and divides the gradients by it in fp32
-    (what ``options.loss_scale`` does on the HTP).
+    (what ``options.loss_scale`` does on the HTP). Torch's CPU kernels are pinned
+    (``reference_kernels.pinned``), as in ``models.autograd_reference``.
     """
     half = copy.deepcopy(model).half()
     half_inputs = tuple(
@@ -226,8 +229,9 @@ def fp16_reference(
         for t in inputs
     )
     half.zero_grad(set_to_none=True)
-    loss = half(*half_inputs)
-    loss.backward(torch.full_like(loss, loss_scale))
+    with pinned():
+        loss = half(*half_inputs)
+        loss.backward(torch.full_like(loss, loss_scale))
     params = dict(half.named_parameters())
     out = []
     for name in output_names(joint):

@@ -123,10 +123,17 @@ class TrainingGraph:
 def autograd_reference(
     model: nn.Module, inputs: tuple, joint: torch.export.ExportedProgram
 ) -> list[torch.Tensor]:
-    """What a joint forward-backward program should output, computed by eager autograd."""
+    """What a joint forward-backward program should output, computed by eager autograd.
+
+    With torch's CPU kernels pinned (``reference_kernels.pinned``): a lowering earlier in
+    the process does not change the numbers.
+    """
+    from .reference_kernels import pinned
+
     model.zero_grad(set_to_none=True)
-    loss = model(*inputs)
-    loss.backward()
+    with pinned():
+        loss = model(*inputs)
+        loss.backward()
     params = dict(model.named_parameters())
     out = []
     for spec in joint.graph_signature.output_specs:

@@ -14,6 +14,8 @@ import dataclasses
 import torch
 from torch import nn
 
+from . import reference_kernels
+
 
 class ConvBN(nn.Sequential):
     def __init__(
@@ -68,14 +70,18 @@ def mobilenet_bn(channels: int = 16) -> nn.Module:
 
 
 def calibrate(model: nn.Module, shape: tuple[int, ...], passes: int = 4, seed: int = 0) -> None:
-    """Running statistics of ``passes`` random batches (cumulative average), then eval()."""
+    """Running statistics of ``passes`` random batches (cumulative average), then eval().
+
+    With torch's CPU kernels pinned (``reference_kernels.pinned``): the statistics do
+    not depend on whether a lowering ran earlier in the process.
+    """
     generator = torch.Generator().manual_seed(seed)
     for module in model.modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             module.reset_running_stats()
             module.momentum = None
     model.train()
-    with torch.no_grad():
+    with torch.no_grad(), reference_kernels.pinned():
         for _ in range(passes):
             model(torch.randn(shape, generator=generator))
     model.eval()

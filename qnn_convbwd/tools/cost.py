@@ -331,9 +331,11 @@ class WeightCopies:
 
     @property
     def readers(self) -> int:
-        """Ops reading its static tensors: the HTP prepares a static tensor once per
-        reading op type (docs/weight_bytes.md), so 1 leaves it nothing to copy."""
-        return sum(t[3] for t in self.tensors)
+        """The most ops reading any one of its static tensors: the HTP prepares a
+        static tensor once per reading op type (docs/weight_bytes.md), so 1 leaves
+        it nothing to copy (``runtime_weight`` splits a weight into two static
+        tensors, each read by one op)."""
+        return max((t[3] for t in self.tensors), default=0)
 
     @property
     def large(self) -> bool:

@@ -339,6 +339,18 @@ def _weight(name: str, ratio: float, large: bool = True, coverage: float = 1.0) 
     }
 
 
+def test_weight_copies_joins_a_weight_split_in_two_tensors():
+    """runtime_weight stores a weight flat as a head and a 64-element tail: together
+    they hold it whole, once, each read by one op."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(64, 64, 3).requires_grad_(False)
+    flat = model.weight.detach().numpy().transpose(2, 3, 1, 0).ravel()  # HWIO, flat
+    graph = _saver_graph({"p_weight": flat[None, :-64], "p_weight_runtime_tail": flat[None, -64:]})
+    (weight,) = cost.weight_copies(model, graph).weights
+    assert len(weight.tensors) == 2 and max(t[2] for t in weight.tensors) < 1
+    assert weight.coverage == 1.0 and weight.readers == 1 and weight.ratio == 0.0
+
+
 def test_zoo_cost_rows_judge_the_worst_large_weight(tmp_path):
     zoo_cost = _zoo_cost()
     rows = [

@@ -96,7 +96,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.builders.qnn_constants", "OpElementWiseAdd", "QNN op names (max pool backward)"),
     (f"{_QC}.builders.qnn_constants", "OpElementWiseSelect", "QNN op names (max pool backward)"),
     (f"{_QC}.builders.qnn_constants", "OpScatterElements", "QNN op/param names (max pool)"),
-    (f"{_QC}.builders.qnn_constants", "OpConcat", "QNN op/param names (max pool phases)"),
+    (f"{_QC}.builders.qnn_constants", "OpConcat", "QNN op/param names (max pool, runtime_weight)"),
     (f"{_QC}.builders.qnn_constants", "OpPoolMax2d", "QNN op/param names (forward max pool)"),
     (
         f"{_QC}.builders.qnn_constants",

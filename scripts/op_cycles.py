@@ -9,9 +9,12 @@ docs/cost.md for what these numbers are worth on the simulator.
     python scripts/op_cycles.py --model demo --runs 3
     python scripts/op_cycles.py --model demo --stride phases
     python scripts/op_cycles.py --zoo resnet18 bias_only --runs 3 --summary
+    python scripts/op_cycles.py --conv 256x256x3 --input-gradient transpose_conv --runs 5
 
 ``--zoo ARCH SCHEME`` profiles ``tests/zoo.graph(ARCH, SCHEME, --size)`` instead;
-``--summary`` adds the cycles per kind of op (``op_kind``) and run.
+``--conv CONFIG`` one frozen convolution and its grad_input (``tools.weight_bytes``'
+``fwd+bwd`` program; CONFIG as in scripts/weight_bytes.py). ``--summary`` adds the
+cycles per kind of op (``op_kind``) and run.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 
 from qnn_convbwd import api, options
 from qnn_convbwd.toolchain import ensure_sdk
-from qnn_convbwd.tools import models
+from qnn_convbwd.tools import models, weight_bytes
 
 _ATEN = re.compile(r"aten_(.+?)_(?:default|tensor|scalar|int|dim|self|intlist)(?:_|$|:)", re.I)
 
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--trainable", action="store_true")
     parser.add_argument("--zoo", nargs=2, metavar=("ARCH", "SCHEME"), help="tests/zoo.graph")
     parser.add_argument("--size", type=int, default=32, help="input size of --zoo")
+    parser.add_argument("--conv", metavar="CONFIG", help="one frozen conv, fwd+bwd")
     parser.add_argument("--summary", action="store_true", help="cycles per kind of op too")
     parser.add_argument("--soc", default="SM8650")
     parser.add_argument("--runs", type=int, default=3)
@@ -53,6 +57,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--stride", choices=options.STRIDE_MODES, default=None, help="Options.stride"
+    )
+    parser.add_argument(
+        "--input-gradient",
+        choices=options.INPUT_GRADIENT_FORMULATIONS,
+        default=None,
+        help="Options.input_gradient",
     )
     args = parser.parse_args()
 
@@ -76,10 +86,15 @@ def main() -> None:
 
         graph = zoo.graph(*args.zoo, args.size)
         title, joint, inputs = graph.name, graph.program, graph.inputs
+    elif args.conv:
+        config = weight_bytes.ConvConfig.parse(args.conv)
+        _, inputs, joint = weight_bytes.export(config, "fwd+bwd")
+        title = f"{config} fwd+bwd"
     else:
         case = models.TRAINING_MODELS[args.model](args.trainable)
         title, joint, inputs = case.name, case.joint(), case.inputs
-    with api.enabled(**({"stride": args.stride} if args.stride else {})):
+    chosen = {"stride": args.stride, "input_gradient": args.input_gradient}
+    with api.enabled(**{k: v for k, v in chosen.items() if v}):
         pte = api.lower(joint, specs).edge.to_executorch().buffer
     program = Runtime.get().load_program(pte, enable_etdump=True, debug_buffer_size=int(1e7))
     method = program.load_method("forward")

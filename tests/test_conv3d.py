@@ -25,6 +25,7 @@ from tiers import sweep
 
 import qnn_convbwd
 from qnn_convbwd import integration
+from qnn_convbwd.builders import input_gradient_runtime_weight as rw
 from qnn_convbwd.tools import models
 
 CONFIGS = [
@@ -134,11 +135,14 @@ def test_conv3d_training_graph_runs_every_convolution_on_htp(qnn_sdk):
         # QNN tensor names carry the wrapper index: "p_backbone_0_weight@0".
         return {t for op in ops for t in op.inputs if t.name.split("@")[0] == name}
 
-    # backbone.0 (groups 1): one static copy in the flat [1, H, 8, 32] layout; the
-    # forward Conv3d and the backward's Transpose read the runtime DHWIO tensor. Its
-    # strides (2, 1, 2) run TransposeConv3d with D and H exchanged: (1, 2, 2).
-    stored = {t for t in tensors("p_backbone_0_weight") if t.is_static}
-    assert len(stored) == 1 and next(iter(stored)).dims[2:] == (8, 32), stored
+    # backbone.0 (groups 1): stored once, flat, as a head that Concat copies and a
+    # tail that the Multiply by 1.0 reads; the forward Conv3d and the backward's
+    # Transpose read the runtime DHWIO tensor. Its strides (2, 1, 2) run
+    # TransposeConv3d with D and H exchanged: (1, 2, 2).
+    head, tail = rw.stored_layout(model.backbone[0].weight.numel())
+    (stored,) = {t for t in tensors("p_backbone_0_weight") if t.is_static}
+    (stored_tail,) = tensors("p_backbone_0_weight_runtime_tail")
+    assert (stored.dims, stored_tail.dims) == ((1, head), (1, tail)) and stored_tail.is_static
     hwoi = "p_backbone_0_weight_convbwd_hwoi_order102"
     filters = {op.inputs[1] for op in ops if op.op_type in ("Conv3d", "TransposeConv3d")}
     assert {t.name for t in filters} >= {"p_backbone_0_weight", hwoi}

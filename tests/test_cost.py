@@ -190,11 +190,13 @@ def test_measured_demo_bytes_and_memory(demo_cost):
     for low in (plugin, on_cpu):
         assert {w.parameter for w in low.weights} == set(frozen)
         for w in low.weights:
-            assert len(w.tensors) == 1  # stored once in the QNN graph
             assert w.size == frozen[w.parameter].numel() * 4  # declared fp32
-            assert w.static >= w.size
-    # runtime_weight's flat [1, H, 8, 32] static tensor: 16x8x3x3 = 1152 elements -> 2048
-    assert next(w for w in plugin.weights if w.parameter == "backbone.0.weight").static == 8192
+            assert w.static == w.size  # stored once in the QNN graph, nothing appended
+    # runtime_weight stores a weight as two static tensors: the head Concat copies
+    # and the 64-element tail the Multiply by the run-time 1.0 reads.
+    split = {w.parameter: len(w.tensors) for w in plugin.weights}
+    assert split == {n: 2 if n.endswith("weight") else 1 for n in frozen}
+    assert all(len(w.tensors) == 1 for w in on_cpu.weights)
     assert plugin.delegates == 1 and on_cpu.delegates > 1
     assert len(plugin.delegate_io) == 1 and len(on_cpu.delegate_io) == on_cpu.delegates
     assert 0 < plugin.planned < on_cpu.planned
@@ -285,7 +287,7 @@ def test_weight_copies_finds_a_weights_values_under_any_name_and_layout():
     assert first.size == big.size * 4 and first.large and not by_name["1.weight"].large
     assert first.static == (flat.size + big.size + big[:, :, ::2, ::2].size) * 4
     assert first.ratio == pytest.approx(first.static / first.size - 1)
-    assert first.coverage == 1.0 and first.readers == 3  # one op reads each tensor
+    assert first.coverage == 1.0 and first.readers == 1  # one op reads each tensor
     assert by_name["1.weight"].ratio == 0.0
     assert [name for name, _ in found.unattributed] == ["unrelated", "p_0_bias"]
     assert found.worst() is first
@@ -335,6 +337,18 @@ def _weight(name: str, ratio: float, large: bool = True, coverage: float = 1.0) 
         "readers": 1,
         "tensors": tensors,
     }
+
+
+def test_weight_copies_joins_a_weight_split_in_two_tensors():
+    """runtime_weight stores a weight flat as a head and a 64-element tail: together
+    they hold it whole, once, each read by one op."""
+    torch.manual_seed(0)
+    model = torch.nn.Conv2d(64, 64, 3).requires_grad_(False)
+    flat = model.weight.detach().numpy().transpose(2, 3, 1, 0).ravel()  # HWIO, flat
+    graph = _saver_graph({"p_weight": flat[None, :-64], "p_weight_runtime_tail": flat[None, -64:]})
+    (weight,) = cost.weight_copies(model, graph).weights
+    assert len(weight.tensors) == 2 and max(t[2] for t in weight.tensors) < 1
+    assert weight.coverage == 1.0 and weight.readers == 1 and weight.ratio == 0.0
 
 
 def test_zoo_cost_rows_judge_the_worst_large_weight(tmp_path):

@@ -209,7 +209,7 @@ def test_phases_match_aten_on_the_simulator(qnn_sdk, soc):
 
 def test_phase_filters_are_slices_of_the_forward_filter(qnn_sdk):
     """runtime_weight: every phase's TransposeConv2d reads a StridedSlice of the one HWOI
-    Transpose of the forward Conv2d's filter; one static tensor holds the weight."""
+    Transpose of the forward Conv2d's filter; the weight is stored once."""
     from qnn_convbwd import integration
     from qnn_convbwd.builders import input_gradient_runtime_weight as rw
     from qnn_convbwd.tools import weight_bytes as wb
@@ -235,14 +235,12 @@ def test_phase_filters_are_slices_of_the_forward_filter(qnn_sdk):
         kernels.append(tconv.inputs[1].dims[:2])
     assert len(hwoi) == 1
     assert sorted(kernels) == [(1, 1), (1, 2), (2, 1), (2, 2)]
-    numel = math.prod(config.weight_shape)
-    weight_sized = {
-        t.name: t.dims
-        for op in ops
-        for t in op.inputs
-        if t.is_static and math.prod(t.dims) >= numel
-    }
-    assert list(weight_sized.values()) == [tuple(rw.raw_layout(numel)[0])]
+    # Stored once: the head Concat copies and the tail the Multiply by 1.0 reads.
+    head, tail = rw.stored_layout(math.prod(config.weight_shape))
+    weight_parts = sorted(
+        t.dims for op in ops for t in op.inputs if t.is_static and op.op_type != "Conv2d"
+    )
+    assert weight_parts == sorted([(1, head), (1, tail)])
     outputs = compiled.run(inputs)
     for got, want in zip(outputs, wb.reference(module, inputs), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=5e-3 * want.abs().max().item())

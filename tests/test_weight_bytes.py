@@ -46,14 +46,11 @@ def test_config_parse_and_weight_bytes():
         wb.ConvConfig.parse("64x32")
 
 
-@pytest.mark.parametrize("numel", [1, 288, 2048, 2049, 147456, 9 * 256 * 255])
-def test_raw_layout_fits_htp_blocks(numel):
-    shape, padded = rw.raw_layout(numel)
-    block = math.prod(rw.RAW_BLOCK)
-    assert math.prod(shape) == padded >= numel
-    assert padded - numel < block
-    assert shape[0] == 1 and shape[1] % rw.RAW_BLOCK[0] == 0
-    assert tuple(shape[2:]) == rw.RAW_BLOCK[1:]
+@pytest.mark.parametrize("numel", [1, 64, 65, 288, 2048, 147456, 9 * 256 * 255])
+def test_stored_layout_splits_the_weight_without_padding(numel):
+    head, tail = rw.stored_layout(numel)
+    assert head + tail == numel  # every element stored once, nothing appended
+    assert tail == min(rw.RUNTIME_TAIL, numel)
 
 
 def test_default_is_runtime_weight():
@@ -191,8 +188,12 @@ def _lower_captured(config: wb.ConvConfig, program: str):
 
 
 @pytest.mark.htp
-def test_forward_and_backward_read_one_runtime_weight(qnn_sdk):
-    config = wb.ConvConfig(32, 48, 3)
+@pytest.mark.parametrize(
+    "config",
+    [wb.ConvConfig(32, 48, 3), wb.ConvConfig(4, 4, 1, size=5)],  # 13,824 and 16 elements
+    ids=str,
+)
+def test_forward_and_backward_read_one_runtime_weight(qnn_sdk, config):
     ops, compiled = _lower_captured(config, "fwd+bwd")
     assert wb.convolutions_on_cpu(compiled) == []
     by_type: dict[str, list] = {}
@@ -205,23 +206,45 @@ def test_forward_and_backward_read_one_runtime_weight(qnn_sdk):
     conv_filter = conv.inputs[1]
     hwio_dims = tuple(config.weight_shape[i] for i in geo.OIHW_TO_HWIO)
     assert (conv_filter.kind, conv_filter.dims) == ("QNN_TENSOR_TYPE_NATIVE", hwio_dims)
-    assert producers[conv_filter.name].op_type == "Reshape"
+    reshape = producers[conv_filter.name]
+    assert reshape.op_type == "Reshape"
     # The backward's filter is the Transpose of the forward Conv2d's very filter tensor.
     transpose = producers[tconv.inputs[1].name]
     assert transpose.op_type == "Transpose"
     assert transpose.inputs[0].name == conv_filter.name
 
-    # Exactly one static tensor holds the weight: the raw input of the multiplication.
+    # The weight is stored once, flat: the head, which Concat copies, and the last
+    # RUNTIME_TAIL elements, which the Multiply by the run-time 1.0 reads (a weight
+    # that small is all tail, with no Concat). The Reshape to HWIO is the filter.
     numel = math.prod(config.weight_shape)
-    weight_sized = {
-        t.name: t.dims
+    head, tail = rw.stored_layout(numel)
+    (scale,) = by_type["ElementWiseMultiply"]
+    assert (scale.inputs[0].kind, scale.inputs[0].dims) == ("QNN_TENSOR_TYPE_STATIC", (1, tail))
+    assert math.prod(scale.inputs[1].dims) == 1  # the run-time 1.0
+    parts = {scale.inputs[0].name: tail}
+    readers = [scale.name]
+    if head:
+        (join,) = by_type["Concat"]
+        assert reshape.inputs[0].name == join.outputs[0].name
+        assert join.outputs[0].dims == (1, numel)
+        stored, scaled = join.inputs
+        assert (stored.kind, stored.dims) == ("QNN_TENSOR_TYPE_STATIC", (1, head))
+        assert scaled.name == scale.outputs[0].name
+        parts[stored.name] = head
+        readers.append(join.name)
+    else:
+        assert "Concat" not in by_type
+        assert reshape.inputs[0].name == scale.outputs[0].name
+    bias = conv.inputs[2].name
+    statics = {
+        t.name: math.prod(t.dims)
         for op in ops
         for t in op.inputs
-        if t.kind == "QNN_TENSOR_TYPE_STATIC" and math.prod(t.dims) >= numel
+        if t.kind == "QNN_TENSOR_TYPE_STATIC" and t.name != bias
     }
-    assert list(weight_sized.values()) == [tuple(rw.raw_layout(numel)[0])]
-    (scale,) = by_type["ElementWiseMultiply"]
-    assert scale.inputs[0].name in weight_sized
+    assert statics == parts
+    reading = sorted(op.name for op in ops for t in op.inputs if t.name in statics)
+    assert reading == sorted(readers)  # one op reads each
 
 
 @pytest.mark.htp

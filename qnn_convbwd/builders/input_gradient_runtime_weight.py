@@ -12,38 +12,44 @@ Conv2d ops share one.
 
 What this formulation does instead: before the forward Conv2d is built (through
 ``FORWARD_PRELUDES``, called by the plugin's wrapper of executorch's convolution
-visitor), the weight becomes a *runtime* tensor::
+visitor), the weight becomes a *runtime* tensor. The flat HWIO weight is stored
+as two static tensors, ``[1, n - t]`` (the head) and ``[1, t]`` (the tail, its
+last ``t = RUNTIME_TAIL`` elements), each element once::
 
-    weight (static, flat RAW layout, the only stored copy)
-      x one (1.0 computed at run time from the forward input)  -> Reshape -> HWIO
+    tail (static [1, t]) x one (1.0 computed at run time from the forward input)
+    Concat(head (static [1, n - t]), that) -> [1, n] -> Reshape -> HWIO
     HWIO (native) -> forward Conv2d                (dynamic filter)
     HWIO (native) -> Transpose -> HWOI -> TransposeConv2d   (transpose_conv, unchanged)
 
 The multiplication by a value the compiler cannot know is what keeps it from
 folding the chain back into static tensors (without it, Reshape is folded and
-both ops get their own prepared copy again). ``one`` is built so that it is 1.0
-for every input value, NaN and infinities included: ``Equal(v, v) or
+both ops get their own prepared copy again; so is a Concat of the whole weight
+with a run-time value that a slice then drops). ``one`` is built so that it is
+1.0 for every input value, NaN and infinities included: ``Equal(v, v) or
 NotEqual(v, v)``, cast to float; ``w * 1.0`` is exact in every precision.
 
-The static tensor is laid out ``[1, H, 8, 32]`` (H a multiple of 8, zeros
-appended): the HTP stores a static that an element-wise op reads in its
-activation layout, which pads the second and third dims and the channel dim to
-its block sizes. In the weight's own HWIO shape ``[3, 3, Cin, Cout]`` that costs
-8/3 of the weight; ``[1, H, 8, 32]`` fits the blocks exactly (measured on V69,
-V75, V81 with QAIRT 2.51).
+Why only the tail is multiplied (measured with QAIRT 2.51 on the x86-64
+simulator, SM8650; docs/cost.md, "The runtime_weight prelude"): the HTP runs an
+element-wise op in its tiled activation layout, so multiplying the whole weight
+meant the multiply, a conversion of its result from that layout to the flat one
+a dynamic filter is packed from, and a static stored in that layout (padded
+unless shaped ``[1, H, 8, 32]``). For a 256x256x3x3 weight that took 100-660 M
+simulator cycles in every shape tried, and 80-85 % of a resnet18 training step.
+The flat Concat of the head takes 18-30 k cycles, and the flat statics it reads
+are stored unpadded.
 
 The cost moves to run time: the forward Conv2d and the backward TransposeConv2d
-take a dynamic filter that the HTP prepares on every execution, plus one
-element-wise pass and a reshape over the weight.
+take a dynamic filter that the HTP prepares on every execution, plus a copy of
+the weight and a reshape.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .. import integration
 from ..geometry import conv as geo
@@ -54,19 +60,23 @@ logger = logging.getLogger(__name__)
 
 NAME = "runtime_weight"
 
-# Block of the stored tensor's last three dims that the HTP stores without padding.
-RAW_BLOCK = (8, 8, 32)
+# Elements of the flat weight multiplied by the run-time 1.0 (the rest is only copied).
+RUNTIME_TAIL = 64
+# Rank of the stored tensors, ``[1, n]``, and of the ops that build the run-time weight.
+FLAT_RANK = 2
 
 # Forward-convolution arguments (aten.convolution schema).
 _CONV_INPUT, _CONV_WEIGHT, _CONV_TRANSPOSED = 0, 1, 6
 
 
-def raw_layout(numel: int) -> tuple[list[int], int]:
-    """Shape ``[1, H, 8, 32]`` of the stored tensor for ``numel`` elements, and its size."""
-    block = math.prod(RAW_BLOCK)
-    padded = max(1, math.ceil(numel / block)) * block
-    h, w, d = RAW_BLOCK
-    return [1, padded // (w * d), w, d], padded
+def stored_layout(numel: int) -> tuple[int, int]:
+    """``(head, tail)``: elements copied from the stored head, and computed in the tail.
+
+    The tail is the last ``RUNTIME_TAIL`` elements of the flat weight (all of
+    them for a smaller weight, which then has no head).
+    """
+    tail = min(RUNTIME_TAIL, numel)
+    return numel - tail, tail
 
 
 def _edge_ops():
@@ -124,11 +134,11 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
 
 
 def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_wrappers):
-    """Ops computing a ``[1, 1, 1, 1]`` tensor of ones from ``sample_node``'s first element.
+    """Ops computing a ``[1, 1]`` tensor of ones from ``sample_node``'s first element.
 
-    The ones have the stored tensor's rank (4) whatever the sample's: the HTP's
-    element-wise ops reject rank 5 (measured: ElementWiseOr fails op validation
-    with "incorrect Rank 5"), so a 3-D convolution's NDHWC sample is reshaped first.
+    The ones have the stored tensors' rank (``FLAT_RANK``) whatever the sample's:
+    the HTP's element-wise ops reject rank 5 (measured: ElementWiseOr fails op
+    validation with "incorrect Rank 5"), so the sample is reshaped first.
     """
     sample_value = visitor.get_tensor(sample_node, build_node)
     source = visitor.define_tensor(
@@ -139,7 +149,7 @@ def _runtime_one(visitor, sample_node, build_node, prefix: str, dtype, nodes_to_
         nodes_to_wrappers,
     )
     rank = sample_value.dim()
-    unit = [1] * (1 + len(RAW_BLOCK))  # the stored tensor's rank: [1, H, 8, 32]
+    unit = [1] * FLAT_RANK
 
     def tensor(name: str, tensor_dtype: torch.dtype, shape=unit):
         return qnn_ops.native_tensor(
@@ -205,21 +215,9 @@ def provide_runtime_weight(
 
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
     hwio = weight.permute(geo.oihw_to_hwio(weight.dim() - 2)).contiguous()
-    numel = hwio.numel()
-    raw_shape, padded = raw_layout(numel)
-    flat = hwio.reshape(-1)
-    if padded > numel:
-        flat = torch.cat([flat, flat.new_zeros(padded - numel)])
+    flat = hwio.reshape(1, -1)
+    head, tail = stored_layout(hwio.numel())
     prefix = f"{weight_node.name}_runtime"
-    tensor_types = qnn_ops.adaptor_enum("Qnn_TensorType_t")
-    stored = visitor.define_tensor(
-        weight_node,
-        build_node,
-        flat.reshape(raw_shape),
-        tensor_types.QNN_TENSOR_TYPE_STATIC,
-        nodes_to_wrappers,
-        node_name=f"{prefix}_stored",
-    )
 
     def native(name: str, shape):
         return qnn_ops.native_tensor(
@@ -227,33 +225,47 @@ def provide_runtime_weight(
         )
 
     ops, one = _runtime_one(visitor, sample_node, build_node, prefix, hwio.dtype, nodes_to_wrappers)
-    scaled = native("scaled", raw_shape)
+    # The tail: its own static tensor (numpy data; none while the partitioner
+    # validates ops on fake parameters), times the run-time 1.0.
+    tail_value = None if isinstance(weight, FakeTensor) else flat[:, head:].detach().numpy()
+    tail_stored = qnn_ops.static_tensor(
+        f"{prefix}_tail", tail_value, [1, tail], hwio.dtype, nodes_to_wrappers
+    )
+    source = native("tail_scaled", [1, tail])
     ops.append(
         qnn_ops.new_op(
             f"{prefix}_scale",
             integration.get("OpElementWiseMultiply").op_name,
-            [stored, one],
-            [scaled],
+            [tail_stored, one],
+            [source],
         )
     )
-    source = scaled
-    if padded > numel:
-        row = native("row", [1, 1, 1, padded])
-        ops.append(qnn_ops.reshape(f"{prefix}_row", scaled, row))
-        trimmed = native("trimmed", [1, 1, 1, numel])
-        ranges = [[0, 1, 1]] * 3 + [[0, numel, 1]]
-        ops.append(qnn_ops.strided_slice(f"{prefix}_trim", row, trimmed, ranges))
-        source = trimmed
+    if head:
+        stored = visitor.define_tensor(
+            weight_node,
+            build_node,
+            flat[:, :head],
+            qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_STATIC,
+            nodes_to_wrappers,
+            node_name=f"{prefix}_stored",
+        )
+        joined = native("joined", [1, hwio.numel()])
+        concat = integration.get("OpConcat")
+        op = qnn_ops.new_op(f"{prefix}_join", concat.op_name, [stored, source], [joined])
+        qnn_ops.uint32_scalar(op, concat.param_axis, FLAT_RANK - 1)
+        ops.append(op)
+        source = joined
     # Cached under the weight node's own name: the forward Conv2d visitor asks for it.
     runtime_hwio = qnn_ops.native_tensor(
         visitor, weight_node.name, list(hwio.shape), hwio.dtype, nodes_to_wrappers
     )
     ops.append(qnn_ops.reshape(f"{prefix}_hwio", source, runtime_hwio))
     logger.debug(
-        "%s: weight %s stored once as %s, HWIO %s at run time",
+        "%s: weight %s stored once as [1, %d] + [1, %d], HWIO %s at run time",
         build_node.name,
         weight_node.name,
-        raw_shape,
+        head,
+        tail,
         list(hwio.shape),
     )
     return ops

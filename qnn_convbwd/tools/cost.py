@@ -309,6 +309,7 @@ class WeightCopies:
     size: int  # numel * 4: the weight as the fp32 static tensor executorch declares
     # (name, bytes, share of the weight's values, ops reading it)
     tensors: tuple[tuple[str, int, float, int], ...]
+    held: float = 0.0  # share of the weight's values its static tensors hold together
 
     @property
     def static(self) -> int:
@@ -326,14 +327,17 @@ class WeightCopies:
 
     @property
     def coverage(self) -> float:
-        """Largest share of the weight's values one tensor holds (1.0: a whole copy)."""
-        return max((t[2] for t in self.tensors), default=0.0)
+        """Share of the weight's values its static tensors hold together (1.0: all of
+        them, in one tensor or split, as ``runtime_weight``'s head and tail)."""
+        return self.held
 
     @property
     def readers(self) -> int:
-        """Ops reading its static tensors: the HTP prepares a static tensor once per
-        reading op type (docs/weight_bytes.md), so 1 leaves it nothing to copy."""
-        return sum(t[3] for t in self.tensors)
+        """The most ops reading any one of its static tensors: the HTP prepares a
+        static tensor once per reading op type (docs/weight_bytes.md), so 1 leaves
+        it nothing to copy (``runtime_weight`` splits a weight into two static
+        tensors, each read by one op)."""
+        return max((t[3] for t in self.tensors), default=0)
 
     @property
     def large(self) -> bool:
@@ -386,6 +390,7 @@ def weight_copies(model: nn.Module, graph: object, min_elements: int = 64) -> St
     ]
     ordered = [np.sort(v) for _, v in frozen]
     found: dict[int, list[tuple[str, int, float, int]]] = {i: [] for i in range(len(frozen))}
+    held: dict[int, list] = {i: [] for i in range(len(frozen))}
     unattributed = []
     for tensor in graph.static_inputs():  # type: ignore[attr-defined]
         if not tensor.dtype_name.startswith("FLOAT") or tensor.numel < min_elements:
@@ -401,11 +406,18 @@ def weight_copies(model: nn.Module, graph: object, min_elements: int = 64) -> St
             covered = _share(np.sort(nonzero), frozen[best][1])
             readers = len(graph.consumers(tensor.name))  # type: ignore[attr-defined]
             found[best].append((tensor.name, len(tensor.data or b""), covered, readers))
+            held[best].append(nonzero)
         else:
             unattributed.append((tensor.name, len(tensor.data or b"")))
     params = dict(model.named_parameters())
     weights = [
-        WeightCopies(name, tuple(params[name].shape), v.size * 4, tuple(found[i]))
+        WeightCopies(
+            name,
+            tuple(params[name].shape),
+            v.size * 4,
+            tuple(found[i]),
+            _share(np.sort(np.concatenate(held[i])), v) if held[i] else 0.0,
+        )
         for i, (name, v) in enumerate(frozen)
     ]
     return StaticByValue(weights, tuple(unattributed), graph.static_bytes)  # type: ignore[attr-defined]

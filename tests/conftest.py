@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import pytest
 import scheduling
@@ -54,6 +55,21 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_configure(config):
     config.pluginmanager.register(scheduling, "qnn_convbwd_scheduling")
+    _share_the_cores_between_workers()
+
+
+def _share_the_cores_between_workers() -> None:
+    """On an xdist worker, torch's CPU thread pool gets the worker's share of the cores
+    (``OMP_NUM_THREADS``, unless set): each worker would otherwise start one thread per
+    core, and the workers' threads then compete for the same cores."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cores or 1) // int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # this process's torch, and its children
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
 
 
 @functools.lru_cache(maxsize=1)

@@ -32,10 +32,15 @@ def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="run the long property runs")
 
 
+def _cores() -> int:
+    """The cores this process may use."""
+    cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    return len(cores) if cores else (os.cpu_count() or 1)
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: the cores this process may use, at most MAX_WORKERS."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, min(cores or 1, MAX_WORKERS))
+    return max(1, min(_cores(), MAX_WORKERS))
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -65,8 +70,7 @@ def _share_the_cores_between_workers() -> None:
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if not workers or "OMP_NUM_THREADS" in os.environ:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // int(workers))
+    threads = max(1, _cores() // int(workers))
     os.environ["OMP_NUM_THREADS"] = str(threads)  # this process's torch, and its children
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)

@@ -16,8 +16,11 @@ lowerings of the joint graph:
   when no convolution weight is frozen (scheme ``full``).
 
 Prints one markdown row of the cost table (``docs/cost.md``) and, with
-``--json FILE``, appends the details (every frozen weight's tensors) as one
-line; ``--table FILE`` prints the whole table from such a file.
+``--json FILE``, writes the details (every frozen weight's tensors) as one
+line, in place of that row's line if the file has one (one line per model,
+scheme, px and SoC); ``--table FILE`` prints the whole table from such a file
+(``--columns saver`` or ``htp``: the Saver recording's columns, or the HTP
+compilation's).
 
     PYTHONPATH=. python scripts/zoo_cost.py resnet18 adapter --soc SM8650 --size 32 \\
         --json cost.jsonl
@@ -39,14 +42,30 @@ import zoo  # noqa: E402
 from qnn_convbwd.toolchain import saver  # noqa: E402
 from qnn_convbwd.tools import cost  # noqa: E402
 
-HEADER = (
-    "| model | scheme | px | SoC | MACs lowered / ideal | frozen conv weights >= 64 KiB "
-    "| static tensors, readers of each | worst extra static B / size (weight) | <= 0.05 "
-    "| context B: plugin / backward on CPU | context beyond its static data B (/ data) "
-    "| planned memory B: plugin / backward on CPU "
-    "| delegates: plugin / CPU | convolution_backward delegated "
-    "| lowering s: plugin / CPU / Saver |"
+KEY = ("model", "scheme", "px", "SoC")
+# the columns of the Saver recording (or, where there is one, the HTP lowering's MACs) ...
+SAVER = (
+    "MACs lowered / ideal",
+    "frozen conv weights >= 64 KiB",
+    "static tensors, readers of each",
+    "worst extra static B / size (weight)",
+    "<= 0.05",
 )
+# ... and those only an HTP compilation measures (``--no-htp`` leaves them out)
+HTP = (
+    "context B: plugin / backward on CPU",
+    "context beyond its static data B (/ data)",
+    "planned memory B: plugin / backward on CPU",
+    "delegates: plugin / CPU",
+    "convolution_backward delegated",
+)
+TIME = "lowering s: plugin / CPU / Saver"
+COLUMNS = {
+    "all": (*KEY, *SAVER, *HTP, TIME),
+    "saver": (*KEY, *SAVER, "Saver s"),
+    "htp": (*KEY, *HTP, "lowering s: plugin / CPU"),
+}
+HEADER = "| " + " | ".join(COLUMNS["all"]) + " |"
 
 
 SCHEME_ORDER = ("adapter", "bias_only", "last_layers", "full")
@@ -144,7 +163,8 @@ def seconds(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
-def row(result: dict) -> str:
+def cells(result: dict) -> dict[str, str]:
+    """One row of the cost table, by column (``COLUMNS``)."""
     ideal = sum(result["ideal"].values())
     on_cpu = result["on_cpu"]
     rec = result["saver"] or {"weights": [], "seconds": None}  # None: no frozen conv weight
@@ -176,28 +196,79 @@ def row(result: dict) -> str:
         data = plugin["static_bytes"] // 2
         beyond = f"{plugin['context'] - data:,} ({(plugin['context'] - data) / data:.3f})"
 
-    def pair(key: str) -> str:
-        mine = f"{plugin[key]:,}" if key in plugin else "-"
-        return f"{mine} / " + (f"{cpu[key]:,}" if key in cpu else "-")
+    def pair(name: str) -> str:
+        mine = f"{plugin[name]:,}" if name in plugin else "-"
+        return f"{mine} / " + (f"{cpu[name]:,}" if name in cpu else "-")
 
-    return (
-        f"| {result['arch']} | {result['scheme']} | {result['size']} | {result['soc']} "
-        f"| **{plugin['total_macs'] / ideal:.3f}** ({plugin['total_macs']:,} / {ideal:,}) "
-        f"| {len(large)} | {stored} | {worst_text} | {meets} | {pair('context')} "
-        f"| {beyond} | {pair('planned')} | {pair('delegates')} "
-        f"| {plugin.get('backward_delegated', '-')} | {seconds(plugin['seconds'])} "
-        f"/ {seconds(cpu.get('seconds'))} / {seconds(rec['seconds'])} |"
+    lowering = f"{seconds(plugin['seconds'])} / {seconds(cpu.get('seconds'))}"
+    return dict(
+        zip(
+            (*KEY, *SAVER, *HTP),
+            (
+                result["arch"],
+                result["scheme"],
+                str(result["size"]),
+                result["soc"],
+                f"**{plugin['total_macs'] / ideal:.3f}** ({plugin['total_macs']:,} / {ideal:,})",
+                str(len(large)),
+                stored,
+                worst_text,
+                meets,
+                pair("context"),
+                beyond,
+                pair("planned"),
+                pair("delegates"),
+                str(plugin.get("backward_delegated", "-")),
+            ),
+        ),
+        **{
+            TIME: f"{lowering} / {seconds(rec['seconds'])}",
+            "Saver s": seconds(rec["seconds"]),
+            "lowering s: plugin / CPU": lowering,
+        },
     )
 
 
-def table(path: Path) -> str:
-    """The cost table of every result in ``path`` (the last one of each row's key wins)."""
-    results = {}
-    for line in path.read_text().splitlines():
+def row(result: dict, columns: str = "all") -> str:
+    by_column = cells(result)
+    return "| " + " | ".join(by_column[c] for c in COLUMNS[columns]) + " |"
+
+
+def key(result: dict) -> tuple:
+    return result["arch"], result["scheme"], result["size"], result["soc"]
+
+
+def write(path: Path, result: dict) -> None:
+    """Put ``result`` in ``path``: in place of the line of the same row, else appended."""
+    line = json.dumps(result)
+    out, placed = [], False
+    for old in path.read_text().splitlines() if path.exists() else []:
+        if key(json.loads(old)) != key(result):
+            out.append(old)
+        elif not placed:
+            out.append(line)
+            placed = True
+    if not placed:
+        out.append(line)
+    path.write_text("".join(f"{text}\n" for text in out))
+
+
+def table(path: Path, columns: str = "all") -> str:
+    """The cost table of every result in ``path``, one line per row (model, scheme, px, SoC).
+
+    ``columns="htp"`` keeps the rows an HTP compilation measured (plugin or CPU).
+    """
+    results: dict[tuple, dict] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         result = json.loads(line)
-        results[(result["arch"], result["scheme"], result["size"], result["soc"])] = result
+        if key(result) in results:
+            raise ValueError(f"{path}:{number}: a second line for {key(result)}")
+        results[key(result)] = result
+    if columns == "htp":
+        results = {k: r for k, r in results.items() if r["plugin"] or r["on_cpu"]}
     order = sorted(results, key=lambda k: (k[0], k[3], k[2], SCHEME_ORDER.index(k[1])))
-    return "\n".join([HEADER, separator(HEADER), *(row(results[k]) for k in order)])
+    header = "| " + " | ".join(COLUMNS[columns]) + " |"
+    return "\n".join([header, separator(header), *(row(results[k], columns) for k in order)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -213,12 +284,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--saver-only",
         action="store_true",
-        help="redo only the Saver part of this row's last result in the --json file",
+        help="redo only the Saver part of this row's result in the --json file",
     )
     parser.add_argument(
         "--cpu-only",
         action="store_true",
-        help="redo only the backward-on-CPU part of this row's last result in the --json file",
+        help="redo only the backward-on-CPU part of this row's result in the --json file",
     )
     parser.add_argument(
         "--no-htp",
@@ -227,20 +298,22 @@ def main(argv: list[str] | None = None) -> int:
         help="the Saver recording only: MACs and weight bytes, no HTP compilation",
     )
     parser.add_argument("--table", type=Path, help="print the table of a --json file and exit")
+    parser.add_argument(
+        "--columns",
+        choices=COLUMNS,
+        default="all",
+        help="--table: every column, the Saver recording's, or the HTP compilation's",
+    )
     args = parser.parse_args(argv)
     if args.table:
-        print(table(args.table))
+        print(table(args.table, args.columns))
         return 0
     if not (args.arch and args.scheme):
         parser.error("arch and scheme are required (or --table FILE)")
-    if args.saver_only or args.cpu_only:  # redo one part of this row's last result in --json
-        key = (args.arch, args.scheme, args.size, args.soc)
+    if args.saver_only or args.cpu_only:  # redo one part of this row's result in --json
+        wanted = (args.arch, args.scheme, args.size, args.soc)
         lines = args.json.read_text().splitlines()
-        result = next(
-            r
-            for r in map(json.loads, reversed(lines))
-            if (r["arch"], r["scheme"], r["size"], r["soc"]) == key
-        )
+        result = next(r for r in map(json.loads, lines) if key(r) == wanted)
         graph = zoo.graph(args.arch, args.scheme, args.size)
         if args.saver_only:
             result["saver"] = saver_part(graph, args.soc, args.keep)
@@ -254,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             args.arch, args.scheme, args.soc, args.size, args.cpu_baseline, args.keep, args.htp
         )
     if args.json:
-        with args.json.open("a") as out:
-            out.write(json.dumps(result) + "\n")
+        write(args.json, result)
     if args.header:
         print(HEADER + "\n" + separator(HEADER))
     print(row(result), flush=True)

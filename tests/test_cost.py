@@ -371,6 +371,43 @@ def test_zoo_cost_rows_judge_the_worst_large_weight(tmp_path):
     assert "| 1,000 / - | 200 (0.250) |" in adapter  # context - static / 2
 
 
+def test_zoo_cost_file_holds_one_line_per_row(tmp_path):
+    """--json replaces the row's line; a file with two lines for one row is refused."""
+    zoo_cost = _zoo_cost()
+    path = tmp_path / "cost.jsonl"
+    first = _result("adapter", [_weight("net.a", 0.01)])
+    zoo_cost.write(path, first)
+    zoo_cost.write(path, _result("full", None))
+    redone = _result("adapter", [_weight("net.a", 0.02)])
+    zoo_cost.write(path, redone)
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [
+        redone,
+        _result("full", None),
+    ]
+    path.write_text(path.read_text() + json.dumps(first) + "\n")
+    with pytest.raises(ValueError, match=r":3: a second line for \('resnet18', 'adapter'"):
+        zoo_cost.table(path)
+
+
+def test_zoo_cost_table_columns_by_measurement(tmp_path):
+    """--columns saver: the Saver recording's columns; htp: only rows an HTP lowering measured."""
+    zoo_cost = _zoo_cost()
+    saver_only = _result("bias_only", [_weight("net.a", 0.0)], "SM8850")
+    saver_only["plugin"] = None
+    saver_only["saver"]["qnn_macs"] = {"Conv2d": 100}
+    path = tmp_path / "cost.jsonl"
+    for result in (_result("adapter", [_weight("net.a", 0.01)]), saver_only):
+        zoo_cost.write(path, result)
+    header, _, adapter, bias_only = zoo_cost.table(path, "saver").splitlines()
+    assert header.endswith("| <= 0.05 | Saver s |") and "context" not in header
+    assert adapter.endswith("| 0.010 (a) | yes | 2 |")
+    assert "| **1.000** (100 / 100) |" in bias_only and bias_only.endswith("| yes | 2 |")
+    header, _, adapter = zoo_cost.table(path, "htp").splitlines()  # no SM8850 row
+    assert "MACs" not in header and header.endswith("| lowering s: plugin / CPU |")
+    assert adapter.endswith("| 1 / - | 2 of 2 | 1 / - |")
+    assert zoo_cost.table(path).splitlines()[0] == zoo_cost.HEADER
+
+
 def test_saver_op_macs_reads_the_recorded_dims():
     from qnn_convbwd.toolchain import saver
 

@@ -181,7 +181,7 @@ def sweep(args: argparse.Namespace) -> int:
     print(
         "| model | scheme | px | SoC | delegates | on CPU | convolution_backward delegated "
         f"| outputs | within | offending | worst rel L2 | export + lower + run s |{extra}\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if extra else "")
+        "|" + "---|" * 12 + ("---|" if extra else "")
     )
     for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
         try:

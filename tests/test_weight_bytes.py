@@ -175,6 +175,103 @@ def test_runtime_weight_matches_torch(qnn_sdk, soc):
             )
 
 
+# --- dilation: the dilated filter made in the graph from the one stored weight -------------
+
+# (c_in, c_out, kernel, stride, padding, dilation, size)
+DILATED = [
+    (8, 16, 3, 1, 2, (2, 2), 9),
+    (8, 8, 3, 2, 2, (2, 2), 11),  # stride 2 too
+    (6, 12, 3, 1, (2, 1), (2, 1), 8),  # dilated in one dim
+]
+
+
+class DilatedBank(nn.Module):
+    """Each DILATED entry's forward conv and grad_input on one shared frozen weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.convs = nn.ModuleList(
+            nn.Conv2d(ci, co, k, stride=s, padding=p, dilation=d)
+            for ci, co, k, s, p, d, _ in DILATED
+        )
+        self.requires_grad_(False)
+
+    def forward(self, *xs_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        outputs = []
+        for i, conv in enumerate(self.convs):
+            x, grad_output = xs_and_grads[2 * i], xs_and_grads[2 * i + 1]
+            outputs += [conv(x), _grad_input(conv, x, grad_output)]
+        return tuple(outputs)
+
+
+def _grad_input(conv: nn.Conv2d, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.convolution_backward(
+        grad_output,
+        x,
+        conv.weight,
+        None,
+        list(conv.stride),
+        list(conv.padding),
+        list(conv.dilation),
+        False,
+        [0, 0],
+        conv.groups,
+        [True, False, False],
+    )[0]
+
+
+@pytest.mark.htp
+def test_a_dilated_frozen_weight_is_stored_once_and_grad_input_matches_torch(qnn_sdk):
+    """runtime_weight dilates the kernel in the graph (Reshape, zero insertion, slice) from
+    the run-time HWIO the forward Conv2d reads: no static dilated copy, as for a trainable
+    weight; before, a frozen dilated weight kept a second, dilated static filter."""
+    from qnn_convbwd import api, integration
+    from qnn_convbwd.toolchain import harness
+
+    bank = DilatedBank().eval()
+    gen = torch.Generator().manual_seed(1)
+    inputs = []
+    for (ci, *_, size), conv in zip(DILATED, bank.convs, strict=True):
+        x = torch.randn(1, ci, size, size, generator=gen)
+        inputs += [x, torch.randn(conv(x).shape, generator=gen)]
+    program = torch.export.export(bank, tuple(inputs), strict=False)
+    with api.enabled(input_gradient=rw.NAME), integration.capture_qnn_graphs() as graphs:
+        compiled = harness.lower_program(program, "SM8650")
+    assert compiled.report.delegated == len(DILATED)
+    assert wb.convolutions_on_cpu(compiled) == []
+    (ops,) = graphs
+    convs = [op for op in ops if op.op_type == "Conv2d"]
+    biases = {op.inputs[2].name for op in convs}
+    assert len(convs) == len(DILATED) and all(
+        op.inputs[1].kind == "QNN_TENSOR_TYPE_NATIVE" for op in convs
+    )
+    stored = {
+        t.name: math.prod(t.dims)
+        for op in ops
+        for t in op.inputs
+        if t.kind == "QNN_TENSOR_TYPE_STATIC" and t.name not in biases
+    }
+    # Each weight once, as the prelude's head and tail; nothing else is static.
+    parts = sorted(n for conv in bank.convs for n in rw.stored_layout(conv.weight.numel()) if n)
+    assert sorted(stored.values()) == parts, stored
+
+    outputs = compiled.run(inputs)
+    for i, conv in enumerate(bank.convs):
+        x, grad_output = inputs[2 * i], inputs[2 * i + 1]
+        for name, got, want in (
+            ("forward", outputs[2 * i], conv(x)),
+            ("grad_input", outputs[2 * i + 1], _grad_input(conv, x, grad_output)),
+        ):
+            torch.testing.assert_close(
+                got,
+                want,
+                rtol=0,
+                atol=5e-3 * want.abs().max().item() + 1e-6,
+                msg=lambda text, cfg=DILATED[i], what=name: f"{what} of {cfg}: {text}",
+            )
+
+
 # --- structure: one stored tensor, read by both ops through the same wrapper -----------------
 
 

@@ -114,8 +114,8 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
     if any(u.args[_CONV_TRANSPOSED] for u in forward):
         return "read by a transposed convolution"
     for user in filter(_reads_weight_values, users):
-        try:
-            own = geo.own_filter_reason(geo.parse(user))
+        try:  # a dilated filter is built in the graph from the run-time weight
+            own = geo.dense_filter_reason(geo.parse(user))
         except geo.ConvArgumentError as err:
             own = f"{user.name}: {err}"
         if own is not None:
@@ -217,7 +217,7 @@ def provide_runtime_weight(
     hwio = weight.permute(geo.oihw_to_hwio(weight.dim() - 2)).contiguous()
     flat = hwio.reshape(1, -1)
     head, tail = stored_layout(hwio.numel())
-    prefix = f"{weight_node.name}_runtime"
+    prefix = runtime_tensors.prelude_prefix(weight_node)
 
     def native(name: str, shape):
         return qnn_ops.native_tensor(
@@ -231,7 +231,7 @@ def provide_runtime_weight(
     tail_stored = qnn_ops.static_tensor(
         f"{prefix}_tail", tail_value, [1, tail], hwio.dtype, nodes_to_wrappers
     )
-    source = native("tail_scaled", [1, tail])
+    source = native(runtime_tensors.PRELUDE_OUTPUT, [1, tail])
     ops.append(
         qnn_ops.new_op(
             f"{prefix}_scale",

@@ -35,6 +35,23 @@ def reads_at_run_time(visitor, node: object) -> bool:
     return signature.is_trainable_parameter(node, visitor.edge_program)
 
 
+# The ``runtime_weight`` prelude's tensors are named ``<weight>_runtime_<part>``; its
+# ``PRELUDE_OUTPUT`` part exists once the prelude has made the weight's HWIO a run-time
+# tensor in this graph.
+PRELUDE_OUTPUT = "tail_scaled"
+
+
+def prelude_prefix(weight_node: torch.fx.Node) -> str:
+    return f"{weight_node.name}_runtime"
+
+
+def made_at_run_time(weight_node: torch.fx.Node, nodes_to_wrappers) -> bool:
+    """Whether the ``runtime_weight`` prelude turned this static weight into a run-time
+    HWIO tensor of the graph (cached under the weight's own name)."""
+    name = f"{prelude_prefix(weight_node)}_{PRELUDE_OUTPUT}"
+    return nodes_to_wrappers.get(name, {}).get(0) is not None
+
+
 def _physical_order(node: torch.fx.Node) -> tuple[int, ...]:
     """Torch dims of ``node``'s value in the order its QNN tensor holds them."""
     value = node.meta["val"]

@@ -116,7 +116,12 @@ def weight_for_input_gradient(
     kernel dims in ``order``."""
     conv = geo.parse(build_node)
     run_time = runtime_tensors.reads_at_run_time(visitor, weight_node)
-    if geo.own_filter_reason(conv) is not None and not run_time:
+    # A frozen weight the runtime_weight prelude made run-time is dilated in the graph
+    # too: no static dilated copy (a block-diagonal filter is not: ``not_applicable``).
+    shared_at_run_time = run_time or runtime_tensors.made_at_run_time(
+        weight_node, nodes_to_wrappers
+    )
+    if geo.own_filter_reason(conv) is not None and not shared_at_run_time:
         return expanded_hwoi(
             visitor,
             weight_node,

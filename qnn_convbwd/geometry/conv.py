@@ -262,10 +262,18 @@ def own_filter_reason(conv: ConvBackward) -> str | None:
     """Why grad_input cannot read the shared HWIO weight through a Transpose (None: it can).
 
     A dilated kernel (TransposeConv has no dilation parameter) and groups the op
-    does not apply both need a filter with zeros inserted: a static tensor of its own.
+    does not apply both need a filter with zeros inserted: from a static weight, a
+    static tensor of its own.
     """
     if any(d != 1 for d in conv.dilation):
         return "a dilated convolution_backward builds its own (dilated) filter"
+    return dense_filter_reason(conv)
+
+
+def dense_filter_reason(conv: ConvBackward) -> str | None:
+    """Why grad_input needs a block-diagonal filter, which only a static weight can give
+    (None: it does not). A dilated filter, unlike it, can be built in the graph from a
+    run-time weight."""
     if conv.groups > 1 and not transpose_conv_applies_groups(conv.spatial_dims):
         return (
             f"a grouped {conv.spatial_dims}-D convolution_backward builds its own "

@@ -7,7 +7,8 @@ python scripts/weight_bytes.py --configs 64x64x3 128x128x3 256x256x3 \\
 python scripts/weight_bytes.py --configs 64x64x3:s2:n15 32x32x3:g32   # stride, groups, size
 python scripts/weight_bytes.py --configs 256x256x3:s2:n15 --strides zero_insert parameter
 
-A config is CINxCOUTxK with optional :sSTRIDE, :gGROUPS, :nSIZE (input size, default 8).
+A config is CINxCOUTxK with optional :sSTRIDE, :gGROUPS, :nSIZE (input size, default 8),
+:dDILATION.
 """
 
 from __future__ import annotations

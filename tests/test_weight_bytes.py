@@ -42,6 +42,11 @@ def test_config_parse_and_weight_bytes():
     assert config == wb.ConvConfig(64, 32, 3, stride=2, groups=2, size=15)
     assert config.weight_shape == (32, 32, 3, 3)
     assert config.weight_bytes() == 32 * 32 * 9 * 2
+    dilated = wb.ConvConfig.parse("64x64x3:d2:n16")
+    assert dilated == wb.ConvConfig(64, 64, 3, size=16, dilation=2)
+    assert dilated.padding == 2 and str(dilated) == "64x64x3x3 d2 @16px"
+    x, grad_output = wb.example_inputs(dilated)
+    assert grad_output.shape == (1, 64, 16, 16)  # "same" padding at dilation 2
     with pytest.raises(ValueError):
         wb.ConvConfig.parse("64x32")
 

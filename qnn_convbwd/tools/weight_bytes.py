@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 PROGRAMS = ("fwd", "fwd+bwd", "bwd")
 FP16_BYTES = 2
 
-_SPEC = re.compile(r"^(\d+)x(\d+)x(\d+)((?::[sgn]\d+)*)$")
+_SPEC = re.compile(r"^(\d+)x(\d+)x(\d+)((?::[sgnd]\d+)*)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +54,11 @@ class ConvConfig:
     size: int = 8  # spatial size (square) of the forward input
     batch: int = 1
     bias: bool = True
+    dilation: int = 1
 
     @property
     def padding(self) -> int:
-        return self.kernel // 2
+        return self.dilation * (self.kernel // 2)
 
     @property
     def weight_shape(self) -> tuple[int, int, int, int]:
@@ -75,16 +76,18 @@ class ConvConfig:
         text = f"{self.c_out}x{self.c_in // self.groups}x{self.kernel}x{self.kernel}"
         extras = [f"s{self.stride}"] if self.stride != 1 else []
         extras += [f"g{self.groups}"] if self.groups != 1 else []
+        extras += [f"d{self.dilation}"] if self.dilation != 1 else []
         return " ".join([text, *extras, f"@{self.size}px"])
 
     @classmethod
     def parse(cls, spec: str) -> ConvConfig:
-        """``CINxCOUTxK`` with optional ``:sSTRIDE``, ``:gGROUPS``, ``:nSIZE`` (e.g. 64x64x3:s2)."""
+        """``CINxCOUTxK`` with optional ``:sSTRIDE``, ``:gGROUPS``, ``:nSIZE``, ``:dDILATION``
+        (e.g. 64x64x3:s2)."""
         match = _SPEC.match(spec.strip())
         if match is None:
-            raise ValueError(f"config {spec!r} is not CINxCOUTxK[:sS][:gG][:nN]")
+            raise ValueError(f"config {spec!r} is not CINxCOUTxK[:sS][:gG][:nN][:dD]")
         c_in, c_out, kernel = (int(match.group(i)) for i in (1, 2, 3))
-        extra = {"s": "stride", "g": "groups", "n": "size"}
+        extra = {"s": "stride", "g": "groups", "n": "size", "d": "dilation"}
         fields = {extra[item[0]]: int(item[1:]) for item in match.group(4).split(":") if item}
         return cls(c_in, c_out, kernel, **fields)
 
@@ -105,6 +108,7 @@ class FrozenConv(nn.Module):
             config.kernel,
             stride=config.stride,
             padding=config.padding,
+            dilation=config.dilation,
             groups=config.groups,
             bias=config.bias,
         )
@@ -137,7 +141,8 @@ class FrozenConv(nn.Module):
 def example_inputs(config: ConvConfig, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(config.batch, config.c_in, config.size, config.size, generator=gen)
-    out = (config.size + 2 * config.padding - config.kernel) // config.stride + 1
+    span = config.dilation * (config.kernel - 1) + 1
+    out = (config.size + 2 * config.padding - span) // config.stride + 1
     grad_output = torch.randn(config.batch, config.c_out, out, out, generator=gen)
     return x, grad_output
 

@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from tiers import sweep
 from torch import nn
 
@@ -94,38 +93,46 @@ BANK = [
 ]
 
 
-class Bank(nn.Module):
-    """Every BANK entry's forward conv and grad_input on one shared frozen weight each."""
+def _grad_input(conv: nn.Conv2d, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten.convolution_backward(
+        grad_output,
+        x,
+        conv.weight,
+        None,
+        list(conv.stride),
+        list(conv.padding),
+        list(conv.dilation),
+        False,
+        [0, 0],
+        conv.groups,
+        [True, False, False],
+    )[0]
 
-    def __init__(self) -> None:
+
+class _SharedWeights(nn.Module):
+    """Each of ``convs``' forward conv and grad_input, on one shared frozen weight each."""
+
+    def __init__(self, convs) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.convs = nn.ModuleList(
-            nn.Conv2d(ci, co, k, stride=s, padding=p, groups=g) for ci, co, k, s, p, g, _, _ in BANK
-        )
+        self.convs = nn.ModuleList(convs)
         self.requires_grad_(False)
 
     def forward(self, *xs_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
         outputs = []
         for i, conv in enumerate(self.convs):
             x, grad_output = xs_and_grads[2 * i], xs_and_grads[2 * i + 1]
-            outputs.append(conv(x))
-            outputs.append(
-                torch.ops.aten.convolution_backward(
-                    grad_output,
-                    x,
-                    conv.weight,
-                    None,
-                    list(conv.stride),
-                    list(conv.padding),
-                    list(conv.dilation),
-                    False,
-                    [0, 0],
-                    conv.groups,
-                    [True, False, False],
-                )[0]
-            )
+            outputs += [conv(x), _grad_input(conv, x, grad_output)]
         return tuple(outputs)
+
+
+class Bank(_SharedWeights):
+    """Every BANK entry's forward conv and grad_input on one shared frozen weight each."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(
+            nn.Conv2d(ci, co, k, stride=s, padding=p, groups=g) for ci, co, k, s, p, g, _, _ in BANK
+        )
 
 
 def _bank_inputs(bank: Bank) -> list[torch.Tensor]:
@@ -150,33 +157,23 @@ def test_runtime_weight_matches_torch(qnn_sdk, soc):
         compiled = harness.lower_program(program, soc)
     assert compiled.report.delegated == len(BANK)
     assert wb.convolutions_on_cpu(compiled) == []
-    outputs = compiled.run(inputs)
+    _assert_matches_torch(compiled.run(inputs), bank, inputs, BANK, f"on {soc}")
+
+
+def _assert_matches_torch(outputs, bank: _SharedWeights, inputs, configs, where: str) -> None:
+    """Each conv's forward and grad_input within 5e-3 of its largest value (fp16)."""
     for i, conv in enumerate(bank.convs):
         x, grad_output = inputs[2 * i], inputs[2 * i + 1]
-        forward = F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, 1, conv.groups)
-        grad_input = torch.ops.aten.convolution_backward(
-            grad_output,
-            x,
-            conv.weight,
-            None,
-            list(conv.stride),
-            list(conv.padding),
-            [1, 1],
-            False,
-            [0, 0],
-            conv.groups,
-            [True, False, False],
-        )[0]
         for name, got, want in (
-            ("forward", outputs[2 * i], forward),
-            ("grad_input", outputs[2 * i + 1], grad_input),
+            ("forward", outputs[2 * i], conv(x)),
+            ("grad_input", outputs[2 * i + 1], _grad_input(conv, x, grad_output)),
         ):
             torch.testing.assert_close(
                 got,
                 want,
                 rtol=0,
                 atol=5e-3 * want.abs().max().item() + 1e-6,
-                msg=lambda text, cfg=BANK[i], what=name: f"{what} of {cfg} on {soc}: {text}",
+                msg=lambda text, cfg=configs[i], what=name: f"{what} of {cfg} {where}: {text}",
             )
 
 
@@ -190,40 +187,15 @@ DILATED = [
 ]
 
 
-class DilatedBank(nn.Module):
+class DilatedBank(_SharedWeights):
     """Each DILATED entry's forward conv and grad_input on one shared frozen weight."""
 
     def __init__(self) -> None:
-        super().__init__()
         torch.manual_seed(0)
-        self.convs = nn.ModuleList(
+        super().__init__(
             nn.Conv2d(ci, co, k, stride=s, padding=p, dilation=d)
             for ci, co, k, s, p, d, _ in DILATED
         )
-        self.requires_grad_(False)
-
-    def forward(self, *xs_and_grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        outputs = []
-        for i, conv in enumerate(self.convs):
-            x, grad_output = xs_and_grads[2 * i], xs_and_grads[2 * i + 1]
-            outputs += [conv(x), _grad_input(conv, x, grad_output)]
-        return tuple(outputs)
-
-
-def _grad_input(conv: nn.Conv2d, x: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    return torch.ops.aten.convolution_backward(
-        grad_output,
-        x,
-        conv.weight,
-        None,
-        list(conv.stride),
-        list(conv.padding),
-        list(conv.dilation),
-        False,
-        [0, 0],
-        conv.groups,
-        [True, False, False],
-    )[0]
 
 
 @pytest.mark.htp
@@ -261,20 +233,7 @@ def test_a_dilated_frozen_weight_is_stored_once_and_grad_input_matches_torch(qnn
     parts = sorted(n for conv in bank.convs for n in rw.stored_layout(conv.weight.numel()) if n)
     assert sorted(stored.values()) == parts, stored
 
-    outputs = compiled.run(inputs)
-    for i, conv in enumerate(bank.convs):
-        x, grad_output = inputs[2 * i], inputs[2 * i + 1]
-        for name, got, want in (
-            ("forward", outputs[2 * i], conv(x)),
-            ("grad_input", outputs[2 * i + 1], _grad_input(conv, x, grad_output)),
-        ):
-            torch.testing.assert_close(
-                got,
-                want,
-                rtol=0,
-                atol=5e-3 * want.abs().max().item() + 1e-6,
-                msg=lambda text, cfg=DILATED[i], what=name: f"{what} of {cfg}: {text}",
-            )
+    _assert_matches_torch(compiled.run(inputs), bank, inputs, DILATED, "on SM8650")
 
 
 # --- structure: one stored tensor, read by both ops through the same wrapper -----------------

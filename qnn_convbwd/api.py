@@ -22,9 +22,11 @@ from .partition.target import Target
 from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
 from .passes.batch_norm import StableBatchNorm
 from .passes.canonicalize import CanonicalizeConvolutionBackward
+from .passes.conv_batch_norm import FoldConvolutionBatchNorm
 from .passes.distribute_mul import DistributeMul
 from .passes.hardswish import CentredHardActivations
 from .passes.loss_scale import ScaleLoss
+from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
 
 logger = logging.getLogger(__name__)
@@ -120,13 +122,16 @@ def _hooks() -> integration.Hooks:
     hooks.is_node_supported = _is_node_supported
     hooks.transform_pass = CanonicalizeConvolutionBackward
     # CentredHardActivations before DistributeMul: a gate a * (clamp(..) + 1/2) is distributed.
+    # FoldConvolutionBatchNorm before StableBatchNorm: the pairs it cannot fold are decomposed.
     hooks.extra_transform_passes = (
+        FoldConvolutionBatchNorm,
         StableBatchNorm,
         StableSigmoid,
         CentredHardActivations,
         DistributeMul,
         ScaleLoss,
     )
+    hooks.late_transform_passes = (MergeConstantReads,)
     hooks.layout_edge_condition = layout.is_edge_condition
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes

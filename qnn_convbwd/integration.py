@@ -92,6 +92,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("torchao.quantization.pt2e.utils", "get_new_attr_name_with_prefix", "1-D weight buffers"),
     ("torch._guards", "detect_fake_mode", "1-D weight buffers"),
     (f"{_QC}._passes", "I64toI32", "pass ordering"),
+    (f"{_QC}._passes", "AnnotateGetAttr", "pass ordering (constant reads merged before)"),
     (f"{_QC}._passes", "RecomposePadMaxPool2d", "pass ordering (max pool indices plane)"),
     (f"{_QC}.builders.qnn_constants", "OpElementWiseAdd", "QNN op names (max pool backward)"),
     (f"{_QC}.builders.qnn_constants", "OpElementWiseSelect", "QNN op names (max pool backward)"),
@@ -286,6 +287,9 @@ class Hooks:
     transform_pass: type  # added to QnnPassManager's to_edge transform passes
     # More to_edge transform passes, ordered like ``transform_pass`` (before it).
     extra_transform_passes: tuple[type, ...] = ()
+    # to_edge transform passes run after executorch's I64toI32 and LayoutTransform
+    # (both re-trace the graph), before AnnotateGetAttr.
+    late_transform_passes: tuple[type, ...] = ()
     layout_edge_condition: Callable[[Callable, Any, Any], bool]  # (original, pass, node)
     layout_mark: Callable[[Callable, Any, Any], None]  # (original, pass, node)
     record_output_dtypes: Callable[[Any, Any], None]  # (pass, graph_module)
@@ -457,8 +461,10 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
     plugin_passes = (*hooks.extra_transform_passes, hooks.transform_pass)
 
+    late_passes = hooks.late_transform_passes
+
     def activations(cls):
-        return [*orig_activations(cls), *((p, True) for p in plugin_passes)]
+        return [*orig_activations(cls), *((p, True) for p in (*plugin_passes, *late_passes))]
 
     def dependencies(cls):
         deps = orig_deps(cls)
@@ -472,6 +478,13 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
         for later in ("LayoutTransform", "I64toI32", "ResolveDebugHandle"):
             deps.setdefault(get(later), [])
             deps[get(later)] = [*deps[get(later)], *plugin_passes]
+        earlier = [get("I64toI32"), get("LayoutTransform")]
+        for late_pass in late_passes:
+            deps[late_pass] = list(earlier)
+            earlier.append(late_pass)
+        for later in ("AnnotateGetAttr", "ResolveDebugHandle"):
+            deps.setdefault(get(later), [])
+            deps[get(later)] = [*deps[get(later)], *late_passes]
         return deps
 
     p.set_attr(pm_cls, "get_default_pass_activations", classmethod(activations))

@@ -38,11 +38,15 @@ STRIDE_MODES = ("zero_insert", "parameter", "phases")
 INPUT_GRADIENT_FORMULATIONS = ("runtime_weight", "transpose_conv")
 
 # How eval-mode batch norm (aten._native_batch_norm_legit_no_training) is lowered:
+#   "fold"       passes.conv_batch_norm: one after a frozen convolution is folded into
+#                its weight and bias on the host (the backward's grad_input reads the
+#                folded weight); the others as "decompose" (MobileNetV3-Small's logits:
+#                0.95x torch fp16's error, "decompose" 2.5x; docs/zoo.md);
 #   "decompose"  passes.batch_norm: (x - mean) * scale + b with the node's epsilon;
 #   "executorch" executorch's QNN Batchnorm visitor, whose epsilon is hard-coded
 #                to 1e-9 (wrong for channels with a small running variance;
 #                docs/numerics.md).
-BATCH_NORM_MODES = ("decompose", "executorch")
+BATCH_NORM_MODES = ("fold", "decompose", "executorch")
 
 # How aten.sigmoid is lowered:
 #   "tanh"       passes.sigmoid: 0.5 * tanh(0.5 * x) + 0.5 (at torch fp16's accuracy
@@ -76,7 +80,7 @@ class Options:
     output_padding: str = "auto"
     stride: str = "phases"
     input_gradient: str = "runtime_weight"
-    batch_norm: str = "decompose"
+    batch_norm: str = "fold"
     sigmoid: str = "tanh"
     mul_over_add: str = "distribute"
     hardswish: str = "centred"

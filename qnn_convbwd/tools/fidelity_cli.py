@@ -18,7 +18,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--soc", default="SM8650", help="e.g. SM8450, SM8550, SM8650, SM8850")
     parser.add_argument("--loss-scale", type=float, default=1.0, help="options.loss_scale")
     parser.add_argument(
-        "--batch-norm", choices=options.BATCH_NORM_MODES, default="decompose", help="lowering"
+        "--batch-norm", choices=options.BATCH_NORM_MODES, default="fold", help="lowering"
     )
 
 

@@ -1,0 +1,176 @@
+"""passes.conv_batch_norm: eval-mode batch norm folded into the frozen convolution before it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import qnn_convbwd
+from qnn_convbwd.tools import fidelity
+from qnn_convbwd.tools import numerics_models as nm
+
+BN = "aten._native_batch_norm_legit_no_training.default"
+
+
+def _stem_and_block() -> nn.Module:
+    """4 convolution + batch-norm pairs (one depthwise, strided); the stem reads the input."""
+    return nn.Sequential(nm.ConvBN(3, 16, 3, stride=2), nm.MobileBlock(16, 64, 24, 2, se=False))
+
+
+def _edge(program):
+    from executorch.exir import to_edge
+
+    return to_edge(program).exported_program()
+
+
+def _run(edge, inputs) -> list[torch.Tensor]:
+    """The edge program's graph module on torch's kernels, fed its own state."""
+    args, user = [], iter(inputs)
+    for spec in edge.graph_signature.input_specs:
+        kind = spec.kind.name
+        if kind in ("PARAMETER", "BUFFER"):
+            args.append(edge.state_dict[spec.target])
+        elif kind == "CONSTANT_TENSOR":
+            args.append(edge.constants[spec.target])
+        else:
+            args.append(next(user))
+    with torch.no_grad():
+        return list(edge.graph_module(*args))
+
+
+def _calls(gm, name: str) -> list[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and name in str(n.target)]
+
+
+def test_frozen_pairs_fold_and_grad_input_reads_the_folded_weight():
+    from qnn_convbwd.passes.conv_batch_norm import fold_batch_norms
+
+    graph = nm.bn_training_graph(train="bias", backbone_fn=_stem_and_block)
+    edge = _edge(graph.program)
+    before = _run(edge, graph.inputs)
+    gm = edge.graph_module
+    assert len(_calls(gm, BN)) == 4
+    backwards = _calls(gm, "convolution_backward")
+    assert len(backwards) == 3  # the stem reads the input, which has no gradient
+    # autograd's batch-norm backward: grad_output = g * scale
+    scaled = {b: (b.args[0], tuple(b.args[0].args)) for b in backwards}
+    assert all("mul.Tensor" in str(m.target) for m, _ in scaled.values())
+
+    assert fold_batch_norms(gm, edge) == 4
+    assert not _calls(gm, BN)
+    for conv in _calls(gm, "aten.convolution.default"):
+        weight, bias = conv.args[1:3]
+        assert weight.op == "get_attr" and bias.op == "get_attr"
+    # each backward reads its forward's folded weight (the same node: stored once),
+    # and grad_output without autograd's multiplication by the batch norm's scale
+    forward_weights = {c.args[0]: c.args[1] for c in _calls(gm, "aten.convolution.default")}
+    for backward in backwards:
+        assert backward.args[2] is forward_weights[backward.args[1]]
+        assert backward.args[0] in scaled[backward][1]
+    # the trained batch-norm biases are added after the folded convolutions, as reads
+    for name in [n for n, p in graph.model.named_parameters() if p.requires_grad]:
+        placeholder = next(
+            n
+            for n in gm.graph.nodes
+            if n.op == "placeholder" and n.target == f"p_{name.replace('.', '_')}"
+        )
+        assert all("view_copy" in str(u.target) for u in placeholder.users)
+
+    after = _run(edge, graph.inputs)
+    names = fidelity.output_names(graph.program)
+    assert len(before) == len(after) == len(names)
+    for name, a, b in zip(names, after, before):
+        assert fidelity.Metrics.of(a, b).rel_l2 < 1e-5, name
+
+
+def test_a_trained_batch_norm_weight_is_not_folded_and_says_why(caplog):
+    from qnn_convbwd.passes.conv_batch_norm import fold_batch_norms
+
+    graph = nm.bn_training_graph(train="affine", backbone_fn=_stem_and_block)
+    edge = _edge(graph.program)
+    with caplog.at_level(logging.INFO, logger="qnn_convbwd.passes.conv_batch_norm"):
+        assert fold_batch_norms(edge.graph_module, edge) == 0
+    assert len(_calls(edge.graph_module, BN)) == 4
+    logger = "qnn_convbwd.passes.conv_batch_norm"
+    reasons = [r.getMessage() for r in caplog.records if r.name == logger]
+    assert len(reasons) == 4
+    assert all(
+        "not folded" in r and "the batch-norm weight" in r and "trains" in r for r in reasons
+    ), reasons
+
+
+def test_a_trained_convolution_weight_is_not_folded(caplog):
+    from qnn_convbwd.passes.conv_batch_norm import fold_batch_norms
+
+    graph = nm.bn_training_graph(train="bias", backbone_fn=_stem_and_block)
+    for parameter in graph.model.parameters():
+        parameter.requires_grad_(True)
+    program = torch.export.export(graph.model, graph.inputs, strict=True)
+    from torch.export.experimental import _export_forward_backward
+
+    edge = _edge(_export_forward_backward(program))
+    with caplog.at_level(logging.INFO, logger="qnn_convbwd.passes.conv_batch_norm"):
+        assert fold_batch_norms(edge.graph_module, edge) == 0
+    assert any(
+        "the convolution weight" in r.getMessage() and "trains" in r.getMessage()
+        for r in caplog.records
+    )
+
+
+@pytest.mark.htp
+def test_folded_bias_only_step_is_one_delegate_and_within_fidelity(qnn_sdk):
+    from qnn_convbwd.toolchain import harness
+
+    graph = nm.bn_training_graph(train="bias")
+    with qnn_convbwd.enabled(batch_norm="fold"):
+        compiled = harness.lower_program(graph.program, "SM8650")
+    program = compiled.edge.exported_program()
+    assert harness.delegate_count(compiled.edge) == 1
+    assert not [n for n in program.graph.nodes if "batch_norm" in str(n.target)]
+    outputs = compiled.run(list(graph.inputs))
+    report = fidelity.assess_model(graph.model, graph.inputs, graph.program, outputs)
+    assert report.within, report.to_markdown()
+
+
+def _wide_graph():
+    """Two frozen 64x64x3x3 convolutions with batch norms that grad_input reads; bias-only."""
+    from torch.export.experimental import _export_forward_backward
+
+    torch.manual_seed(0)
+    backbone = nn.Sequential(
+        nm.ConvBN(3, 64, 3), nm.ConvBN(64, 64, 3, stride=2), nm.ConvBN(64, 64, 3)
+    )
+    nm.calibrate(backbone, (4, 3, 16, 16))
+    model = nm.BiasOnly(backbone, "bias")
+    x = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        target = torch.randn_like(backbone(x))
+    program = _export_forward_backward(torch.export.export(model, (x, target), strict=True))
+    return nm.Graph(model, (x, target), program)
+
+
+@pytest.mark.htp
+def test_a_folded_weight_is_stored_once(qnn_sdk):
+    """The forward convolution and grad_input read one folded constant: the context is
+    smaller than the unfolded graph's, which stores each weight once and adds batch norms.
+    (Without ``passes.shared_constants`` the fold stored the two weights twice: 385 KB
+    against 295 KB.)"""
+    from qnn_convbwd.toolchain import harness
+
+    graph = _wide_graph()
+    sizes = {}
+    for mode in ("decompose", "fold"):
+        with qnn_convbwd.enabled(batch_norm=mode):
+            compiled = harness.lower_program(graph.program, "SM8650")
+        assert harness.delegate_count(compiled.edge) == 1
+        sizes[mode] = compiled.context_binary_bytes
+        report = fidelity.assess_model(
+            graph.model, graph.inputs, graph.program, compiled.run(list(graph.inputs))
+        )
+        assert report.within, (mode, report.to_markdown())
+    weight_bytes = 64 * 64 * 9 * 2  # fp16
+    assert sizes["fold"] < sizes["decompose"], sizes
+    assert sizes["decompose"] - sizes["fold"] < weight_bytes, sizes

@@ -156,8 +156,8 @@ def _wide_graph():
 def test_a_folded_weight_is_stored_once(qnn_sdk):
     """The forward convolution and grad_input read one folded constant: the context is
     smaller than the unfolded graph's, which stores each weight once and adds batch norms.
-    (Without ``passes.shared_constants`` the fold stored the two weights twice: 385 KB
-    against 295 KB.)"""
+    (Measured, SM8650: folded 246,016 bytes, unfolded 291,072; without
+    ``passes.shared_constants`` the fold stored the weights twice: 381,184.)"""
     from qnn_convbwd.toolchain import harness
 
     graph = _wide_graph()

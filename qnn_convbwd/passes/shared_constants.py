@@ -5,8 +5,9 @@ attribute its own ``get_attr`` node, and executorch's ``lift_constant_tensor_pas
 then lifts each node into its own placeholder. A weight the plugin made (a
 convolution weight with its batch norm folded in, ``passes.conv_batch_norm``)
 that the forward convolution and grad_input both read would become two
-constants of the delegate, each stored in the context binary (measured: +90 KB
-for two 64x64x3x3 weights, docs/zoo.md). Merging the nodes of one attribute is
+constants of the delegate, each stored in the context binary (measured, SM8650:
+a bias-only graph with frozen 64x64x3x3 weights, context 381,184 bytes instead of
+246,016; tests/test_conv_batch_norm.py). Merging the nodes of one attribute is
 common-subexpression elimination of a read: the values are the same tensor.
 """
 

@@ -186,13 +186,13 @@ def weight_gradient(
         )
         ops += more
     full_shape = [cg, *plan.output_size, conv.out_channels]
-    needs_slice = tuple(plan.output_size) != conv.kernel
+    needs_slice = tuple(plan.output_size) != plan.taps
     conv_out = (
         qnn_ops.native_tensor(visitor, f"{base}_full", full_shape, dtype, nodes_to_wrappers)
         if needs_slice
         else None
     )
-    hwio_shape = [cg, *conv.kernel, conv.out_channels]
+    hwio_shape = [cg, *plan.taps, conv.out_channels]
     hwio = qnn_ops.native_tensor(visitor, f"{base}_hwio", hwio_shape, dtype, nodes_to_wrappers)
     names = integration.get(_CONV_OPS[conv.spatial_dims])
     conv_op = qnn_ops.new_op(f"{base}_conv", names.op_name, [image, filt], [conv_out or hwio])
@@ -202,8 +202,16 @@ def weight_gradient(
     qnn_ops.uint32_scalar(conv_op, names.param_group, groups)
     ops.append(conv_op)
     if needs_slice:
-        ranges = [[0, cg, 1], *([0, k, 1] for k in conv.kernel), [0, conv.out_channels, 1]]
+        ranges = [[0, cg, 1], *([0, k, 1] for k in plan.taps), [0, conv.out_channels, 1]]
         ops.append(qnn_ops.strided_slice(f"{base}_crop", conv_out, hwio, ranges))
+    if tuple(plan.taps) != conv.kernel:  # the taps that read only padding are zeros
+        computed = hwio
+        hwio_shape = [cg, *conv.kernel, conv.out_channels]
+        hwio = qnn_ops.native_tensor(
+            visitor, f"{base}_hwio_full", hwio_shape, dtype, nodes_to_wrappers
+        )
+        amounts = [[0, 0], *plan.zero_taps, [0, 0]]
+        ops.append(qnn_ops.zero_pad(f"{base}_zero_taps", computed, hwio, amounts))
 
     # [Cg, *k, C_out] -> OIHW [C_out, Cg, *k]
     ops.append(qnn_ops.transpose(f"{base}_oihw", hwio, result, (last, 0, *dims)))

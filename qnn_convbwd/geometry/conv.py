@@ -471,6 +471,11 @@ class WeightGradPlan:
     # Where the op has no dilation: zeros inserted between the filter's taps
     # (grad_output's elements) per spatial dim; 1: none.
     filter_zero_stuffing: tuple[int, ...] = ()
+    # The kernel taps the op computes, per spatial dim (``kernel`` of the forward
+    # convolution, or fewer: ``padding_reaches_filter``), and the zero taps a Pad adds
+    # before and after them to make the forward kernel.
+    taps: tuple[int, ...] = ()
+    zero_taps: tuple[tuple[int, int], ...] = ()
 
     @property
     def stuffs_filter(self) -> bool:
@@ -487,6 +492,44 @@ def conv_applies_dilation(spatial_dims: int) -> bool:
     return spatial_dims != 3
 
 
+def padding_reaches_filter(pads: Sequence[tuple[int, int]], extents: Sequence[int]) -> bool:
+    """Whether a Conv2d / Conv3d with these pad amounts and filter extents (per spatial
+    dim) hits the HTP's padding defect: a padding at one end at least the filter's
+    extent, that being more than one tap (some outputs then read padding only).
+
+    Measured on the QAIRT 2.51 x86-64 simulator, SM8650: such a convolution is
+    garbage, with the padding as the op's parameter or as a Pad op before it (relative
+    L2 16-21 for a static 2x2 filter with padding 2 and a 3x3 one with padding 3,
+    depthwise or dense, through executorch's own visitor; grad_weight of a 5x5 /
+    padding 2 convolution at 2x2 and of a 7x7 / padding 3 one at 3x3, whose runtime
+    filter is grad_output: all zeros, or values up to 7e5, and a segfault in
+    libQnnHtp.so for MobileNetV3-Small fully trained at 32 px). A 1-tap filter with
+    any padding and a 2x2 filter with padding 1 are right.
+    """
+    return any(e > 1 and max(p) >= e for p, e in zip(pads, extents))
+
+
+def forward_padding_reaches_kernel(node) -> tuple[tuple[int, ...], list[int]] | None:
+    """``(padding, kernel extents)`` of a forward ``aten.convolution`` node that hits
+    ``padding_reaches_filter``; None for one that does not (or a transposed one)."""
+    weight = node.args[1]
+    if node.args[6] or "val" not in getattr(weight, "meta", {}):
+        return None
+    kernel = [int(k) for k in weight.meta["val"].shape[2:]]
+    padding = _per_dim("padding", node.args[4], len(kernel))
+    dilation = _per_dim("dilation", node.args[5], len(kernel))
+    extents = [d * (k - 1) + 1 for k, d in zip(kernel, dilation)]
+    if not padding_reaches_filter([(p, p) for p in padding], extents):
+        return None
+    return padding, extents
+
+
+def _data_taps(i: int, o: int, s: int, p: int, d: int, k: int) -> tuple[int, int]:
+    """First and last kernel tap whose window reads input data, not only padding."""
+    taps = [a for a in range(k) if any(0 <= y * s + a * d - p < i for y in range(o))]
+    return taps[0], taps[-1]
+
+
 def plan_weight_gradient(conv: ConvBackward) -> WeightGradPlan:
     """Convolution of the batch/channel-swapped input with grad_output as filter.
 
@@ -499,12 +542,26 @@ def plan_weight_gradient(conv: ConvBackward) -> WeightGradPlan:
     by inserting ``s - 1`` zeros between its elements instead: same extent, same
     output.
     """
-    pads, sizes = [], []
+    pads, sizes, extents = [], [], []
     for i, o, s, p, d, k in conv.per_dim():
         dropped = i + 2 * p - d * (k - 1) - 1 - (o - 1) * s
         end = max(p - dropped, 0)
         pads.append((p, end))
         sizes.append((i + p + end - (o - 1) * s - 1) // d + 1)
+        extents.append((o - 1) * s + 1)
+    taps, zero_taps = conv.kernel, ((0, 0),) * conv.spatial_dims
+    if padding_reaches_filter(pads, extents):
+        # Compute only the taps that read data (the others are exactly zero), with
+        # the padding those need, which stays below the filter's extent.
+        pads, sizes, taps, zero_taps = [], [], [], []
+        for (i, o, s, p, d, k), extent in zip(conv.per_dim(), extents):
+            first, last = _data_taps(i, o, s, p, d, k)
+            count, begin = last - first + 1, p - first * d
+            end = max(0, (count - 1) * d + extent - i - begin)
+            pads.append((begin, end))
+            sizes.append((i + begin + end - extent) // d + 1)
+            taps.append(count)
+            zero_taps.append((first, k - 1 - last))
     if conv_applies_dilation(conv.spatial_dims):
         dilation, stuffing = conv.stride, (1,) * conv.spatial_dims
     else:
@@ -515,4 +572,6 @@ def plan_weight_gradient(conv: ConvBackward) -> WeightGradPlan:
         pad_amount=tuple(pads),
         output_size=tuple(sizes),
         filter_zero_stuffing=stuffing,
+        taps=tuple(taps),
+        zero_taps=tuple(zero_taps),
     )

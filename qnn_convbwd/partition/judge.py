@@ -175,6 +175,25 @@ def trainable_parameter_baked(node, context):
 
 
 @graph_rule
+def convolution_padding_reaches_kernel(node, context):
+    """A forward convolution whose padding reaches its kernel's extent is garbage on the
+    HTP (``geo.padding_reaches_filter``): it stays on CPU, where executorch's kernel is
+    right. (The plugin's grad_weight convolutions of that kind compute only the taps
+    that read data instead.)"""
+    if not nodes.is_convolution(node):
+        return None
+    found = geo.forward_padding_reaches_kernel(node)
+    if found is None:
+        return None
+    padding, extents = found
+    return _reject(
+        node,
+        "the HTP computes a convolution whose padding reaches its kernel's extent wrongly",
+        f"padding={list(padding)}, kernel extent={extents}",
+    )
+
+
+@graph_rule
 def lifted_for_cpu(node, context):
     """A node the transform pass added for a node it keeps on CPU (the reshapes of a
     1-D convolution_backward lifted to 2-D for executorch's CPU kernel, a max pool's

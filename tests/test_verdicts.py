@@ -280,6 +280,13 @@ def _trainable_norm():
     return _first(program, _of("aten.native_group_norm.default")), judge.Context(htp(program)), None
 
 
+@reaches(GRAPH, "convolution_padding_reaches_kernel")
+def _padding_reaches_kernel():
+    conv = nn.Conv2d(4, 4, 2, padding=2, bias=False).eval()
+    program = to_edge(torch.export.export(conv, (torch.randn(1, 4, 6, 6),))).exported_program()
+    return _first(program, nodes.is_convolution), judge.Context(htp(program)), None
+
+
 @reaches(GRAPH, "lifted_for_cpu")
 def _lifted():
     program = _ops_program()

@@ -36,6 +36,11 @@ from .gated import OptionGatedPass
 
 logger = logging.getLogger(__name__)
 
+# Parameter name -> the folded weight stored in its place, for every weight the pass
+# folded in this process (a later fold of the same name replaces it). Tools that
+# find a frozen weight's stored copies by value (``tools.cost.weight_copies``) read it.
+FOLDED_WEIGHTS: dict[str, torch.Tensor] = {}
+
 # Ops the backward's scale of ``g`` is computed with (autograd's batch-norm backward:
 # rsqrt(var + eps) * gamma, unsqueezed to [C, 1, 1] / [1, C, 1, 1]).
 _SCALE_OPS = (
@@ -190,7 +195,11 @@ def _fold_one(
 
     build = _Builder(graph_module, conv)
     per_output_channel = scale.reshape([channels] + [1] * (w.dim() - 1))
-    new_weight = build.constant("folded_weight", w * per_output_channel)
+    folded_weight = w * per_output_channel
+    new_weight = build.constant("folded_weight", folded_weight)
+    parameter = edge_program.graph_signature.inputs_to_parameters.get(weight.name)
+    if parameter is not None:
+        FOLDED_WEIGHTS[parameter] = folded_weight
     new_bias = build.constant("folded_bias", folded_bias)
     conv.args = (x, new_weight, new_bias, *conv.args[3:])
     out = conv

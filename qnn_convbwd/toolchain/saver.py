@@ -159,6 +159,9 @@ class SaverGraph:
     tensors: dict[str, SaverTensor]
     ops: list[SaverOp]
     seconds: float | None = None  # wall time of record(), None when parsed directly
+    # Parameter name -> the weight stored in its place (its batch norm folded in:
+    # ``passes.conv_batch_norm.FOLDED_WEIGHTS`` of the child's lowering).
+    folded_weights: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def ops_of_type(self, op_type: str) -> list[SaverOp]:
         return [op for op in self.ops if op.type == op_type]
@@ -453,6 +456,7 @@ def load(directory: str | os.PathLike) -> SaverGraph:
 _PROGRAM_FILE = "program.pt2"
 _NODES_FILE = "nodes.json"
 _OPTIONS_FILE = "options.json"
+_FOLDED_FILE = "folded_weights.pt"
 
 
 def _node_list(graph: torch.fx.Graph) -> list[list[str]]:
@@ -500,6 +504,8 @@ def record(
             for name in (SAVER_C, SAVER_PARAMS):
                 shutil.copy2(out / name, Path(keep) / name)
         graph = load(out)
+        if (work / _FOLDED_FILE).is_file():
+            graph.folded_weights = torch.load(work / _FOLDED_FILE)
     graph.seconds = time.perf_counter() - start
     logger.info(
         "Saver recording for %s: %d ops, %d tensors, %d static bytes, %.1f s",
@@ -543,11 +549,14 @@ def _child_main(work: Path, soc: str) -> int:
 
     program = _load_program(work)
     qnn_convbwd.enable(**json.loads((work / _OPTIONS_FILE).read_text()))
+    from ..passes.conv_batch_norm import FOLDED_WEIGHTS
+
     os.chdir(work)  # executorch writes ./saver_output
     try:
         qnn_convbwd.lower(program, compile_specs(soc, saver=True))
     except SystemExit as stop:
         if SAVER_EXIT_MESSAGE in str(stop.code):
+            torch.save(dict(FOLDED_WEIGHTS), work / _FOLDED_FILE)
             return 0
         raise
     sys.stderr.write(

@@ -367,7 +367,12 @@ def _share(sorted_values, x) -> float:
     return float(np.mean(sorted_values[at] == x))
 
 
-def weight_copies(model: nn.Module, graph: object, min_elements: int = 64) -> StaticByValue:
+def weight_copies(
+    model: nn.Module,
+    graph: object,
+    min_elements: int = 64,
+    stored: dict[str, torch.Tensor] | None = None,
+) -> StaticByValue:
     """Attribute the float static tensors of a Saver recording to frozen conv weights by value.
 
     ``graph`` is a ``toolchain.saver.SaverGraph`` (the QNN graph as QNN received
@@ -379,12 +384,19 @@ def weight_copies(model: nn.Module, graph: object, min_elements: int = 64) -> St
     at least ``VALUE_SHARE``; its bytes (padding included) count for that weight.
     Shares are per weight: two weights of similar scale share many fp32 values
     (resnet18's 11 M frozen values do), so a value alone does not name its
-    weight, but a copy's values all lie in one weight.
+    weight, but a copy's values all lie in one weight. ``stored`` gives, by
+    parameter name, the values the lowering stores in place of a weight (a weight
+    with its batch norm folded in; default: the recording's ``folded_weights``, else
+    ``passes.conv_batch_norm.FOLDED_WEIGHTS`` of this process's lowerings).
     """
     import numpy as np
 
+    if stored is None:
+        from ..passes.conv_batch_norm import FOLDED_WEIGHTS
+
+        stored = getattr(graph, "folded_weights", None) or FOLDED_WEIGHTS
     frozen = [
-        (name, p.detach().to(torch.float32).numpy().ravel())
+        (name, stored.get(name, p).detach().to(torch.float32).numpy().ravel())
         for name, p in model.named_parameters()
         if not p.requires_grad and p.dim() >= 3
     ]

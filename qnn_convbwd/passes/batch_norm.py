@@ -206,10 +206,18 @@ def decompose_batch_norm(
     is multiplied in on the device, like a trained one).
     """
     trained = _trained_parameters(edge_program)
+    return rewrite_each(
+        graph_module, lambda node: _rewrite(graph_module, node, edge_program, trained, fold_weight)
+    )
+
+
+def rewrite_each(graph_module: torch.fx.GraphModule, rewrite_one) -> int:
+    """``rewrite_one(node)`` (True: rewritten) on every eval-mode batch norm; then dead
+    code is dropped and the module recompiled. Returns how many were rewritten."""
     changed = 0
     for node in list(graph_module.graph.nodes):
         if node.op == "call_function" and node.target == _edge_op():
-            changed += _rewrite(graph_module, node, edge_program, trained, fold_weight)
+            changed += rewrite_one(node)
     if changed:
         graph_module.graph.eliminate_dead_code()
         graph_module.recompile()

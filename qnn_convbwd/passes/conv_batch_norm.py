@@ -31,7 +31,13 @@ import operator
 import torch
 
 from .. import integration
-from .batch_norm import _Builder, _static, _trained_parameters, fold_frozen_statistics
+from .batch_norm import (
+    _Builder,
+    _static,
+    _trained_parameters,
+    fold_frozen_statistics,
+    rewrite_each,
+)
 from .gated import OptionGatedPass
 
 logger = logging.getLogger(__name__)
@@ -230,17 +236,11 @@ def fold_batch_norms(graph_module: torch.fx.GraphModule, edge_program) -> int:
     """Fold each eval-mode batch norm after a frozen convolution into it; returns how many."""
     if edge_program is None:
         return 0
-    bn_op = integration.get("ops").edge.aten._native_batch_norm_legit_no_training.default
     trained = _trained_parameters(edge_program)
     statics = _Statics(graph_module, edge_program, trained)
-    folded = 0
-    for node in list(graph_module.graph.nodes):
-        if node.op == "call_function" and node.target == bn_op:
-            folded += _fold_one(graph_module, node, edge_program, trained, statics)
-    if folded:
-        graph_module.graph.eliminate_dead_code()
-        graph_module.recompile()
-    return folded
+    return rewrite_each(
+        graph_module, lambda node: _fold_one(graph_module, node, edge_program, trained, statics)
+    )
 
 
 class FoldConvolutionBatchNorm(OptionGatedPass):
@@ -252,7 +252,7 @@ class FoldConvolutionBatchNorm(OptionGatedPass):
     def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
         changed = fold_batch_norms(graph_module, self.edge_program)
         if changed:
-            # The backward's scales of the folded pairs are gone; what is left on the
-            # running statistics StableBatchNorm folds after its own rewrite.
+            # Arithmetic on running statistics alone (the backward's scales of the
+            # pairs not folded) becomes fp32 host constants, as StableBatchNorm does.
             changed += fold_frozen_statistics(graph_module, self.edge_program)
         return changed

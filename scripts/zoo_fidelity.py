@@ -21,7 +21,7 @@ rounding is already outside the limit), and how many of those are outside.
 ``mul_over_add=keep``; numbers are parsed as floats).
 
 ``--inputs K`` runs the lowered program on the graph's own input and K - 1 more
-(``more_inputs``: seeded normal inputs and targets of the same shapes) and
+(``zoo.more_inputs``: seeded normal inputs and targets of the same shapes) and
 judges each tensor's errors pooled over the K inputs (``fidelity.pooled``);
 the "within" column then also says on how many inputs alone the step is within.
 """
@@ -34,8 +34,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import zoo  # noqa: E402
@@ -46,15 +44,6 @@ from qnn_convbwd.tools import fidelity  # noqa: E402
 from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
 
 
-def more_inputs(graph, count: int) -> list[tuple[torch.Tensor, ...]]:
-    """``count`` inputs of ``graph``'s shapes: standard normal, seeds 1000, 1001, ..."""
-    out = []
-    for i in range(count):
-        generator = torch.Generator().manual_seed(1000 + i)
-        out.append(tuple(torch.randn(t.shape, generator=generator) for t in graph.inputs))
-    return out
-
-
 def measure(
     arch: str, scheme: str, soc: str, size: int, inputs: int = 1, spread: int = 0
 ) -> tuple[str, fidelity.Report]:
@@ -63,10 +52,7 @@ def measure(
     export_s = time.perf_counter() - start
     compiled = harness.lower_program(graph.program, soc)
     start = time.perf_counter()
-    reports = []
-    for args in [graph.inputs, *more_inputs(graph, inputs - 1)]:
-        outputs = zoo.joint_outputs(graph, compiled.run(list(args)))
-        reports.append(fidelity.assess_model(graph.model, args, graph.program, outputs))
+    reports = zoo.reports(graph, compiled, inputs)
     run_s = time.perf_counter() - start
     report = fidelity.pooled(reports) if inputs > 1 else reports[0]
     within = "yes" if report.within else "no"

@@ -209,6 +209,28 @@ def bias_only(arch: str, size: int = 32, classes: int = 10, seed: int = 0):
     return graph(arch, "bias_only", size, classes, seed)
 
 
+def more_inputs(graph, count: int) -> list[tuple[torch.Tensor, ...]]:
+    """``count`` inputs of ``graph``'s shapes: standard normal, seeds 1000, 1001, ..."""
+    out = []
+    for i in range(count):
+        generator = torch.Generator().manual_seed(1000 + i)
+        out.append(tuple(torch.randn(t.shape, generator=generator) for t in graph.inputs))
+    return out
+
+
+def reports(graph, compiled, count: int = 1, first=None) -> list:
+    """``fidelity.assess_model`` of ``compiled`` on the graph's input and ``count - 1``
+    ``more_inputs`` (``first``: the outputs on the graph's input, when already run)."""
+    from qnn_convbwd.tools import fidelity
+
+    found = []
+    for i, args in enumerate([graph.inputs, *more_inputs(graph, count - 1)]):
+        outputs = first if i == 0 and first is not None else compiled.run(list(args))
+        outputs = joint_outputs(graph, outputs)
+        found.append(fidelity.assess_model(graph.model, args, graph.program, outputs))
+    return found
+
+
 def joint_outputs(graph, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The joint graph's outputs (loss, gradients) of a training program's ``forward``.
 

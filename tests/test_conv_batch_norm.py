@@ -174,3 +174,24 @@ def test_a_folded_weight_is_stored_once(qnn_sdk):
     weight_bytes = 64 * 64 * 9 * 2  # fp16
     assert sizes["fold"] < sizes["decompose"], sizes
     assert sizes["decompose"] - sizes["fold"] < weight_bytes, sizes
+
+
+@pytest.mark.htp
+def test_a_folded_program_trains_with_executorchs_training_runtime(qnn_sdk):
+    """TrainingModule loads the folded program, every trained batch-norm bias (added
+    after its folded convolution as a read of the parameter) gets its SGD updates, and
+    the steps follow torch's."""
+    from qnn_convbwd import api, training
+    from qnn_convbwd.toolchain import harness
+
+    graph = _wide_graph()
+    result = api.lower(graph.program, harness.compile_specs("SM8650"))
+    assert harness.delegate_count(result.edge) == 1
+    pte = result.edge.to_executorch().buffer
+    # raises when a trained parameter is not returned by the program
+    run = training.train_side_by_side(pte, graph.model, list(graph.inputs), 3, 0.05)
+    trained = [n for n, p in graph.model.named_parameters() if p.requires_grad]
+    assert sorted(run.updates) == sorted(trained) and len(trained) == 3
+    assert all(float(ours.abs().max()) > 0 for ours, _ in run.updates.values())
+    assert run.worst_loss_gap() < 1e-3, [(s.loss, s.reference_loss) for s in run.steps]
+    assert run.update_cosine() > 0.999, run.update_cosine()

@@ -41,12 +41,15 @@ INPUT_GRADIENT_FORMULATIONS = ("runtime_weight", "transpose_conv")
 #   "fold"       passes.conv_batch_norm: one after a frozen convolution is folded into
 #                its weight and bias on the host (the backward's grad_input reads the
 #                folded weight); the others as "decompose" (MobileNetV3-Small's logits:
-#                0.95x torch fp16's error, "decompose" 2.5x; docs/zoo.md);
+#                0.95x torch fp16's error, "decompose" 2.5x; docs/zoo.md). One after a
+#                convolution whose weight trains is folded on the device each step
+#                (weight * scale, the backward rewritten to match);
+#   "fold_frozen" only the pairs of a frozen convolution are folded;
 #   "decompose"  passes.batch_norm: (x - mean) * scale + b with the node's epsilon;
 #   "executorch" executorch's QNN Batchnorm visitor, whose epsilon is hard-coded
 #                to 1e-9 (wrong for channels with a small running variance;
 #                docs/numerics.md).
-BATCH_NORM_MODES = ("fold", "decompose", "executorch")
+BATCH_NORM_MODES = ("fold", "fold_frozen", "decompose", "executorch")
 
 # How aten.sigmoid is lowered:
 #   "tanh"       passes.sigmoid: 0.5 * tanh(0.5 * x) + 0.5 (at torch fp16's accuracy

@@ -1,10 +1,11 @@
-"""torchvision classifiers, bias-only fine-tuning at 32x32 on SM8650: every tensor of
+"""torchvision classifiers, bias-only (resnet18) and last-layers (mobilenet_v3_small)
+fine-tuning at 32x32 on SM8650: every tensor of
 the training step within fidelity (``qnn_convbwd.tools.fidelity``: relative L2 at most
 twice torch's own fp16 step's, plus 1e-3) pooled over 5 inputs, every gradient within
 on the graph's own input, every convolution backward delegated.
 
-The graphs are ``zoo.bias_only`` (random weights, batch-norm statistics from random
-batches, every bias trained, MSE); docs/zoo.md has the measured table and
+The graphs are ``zoo.graph`` (random weights, batch-norm statistics from random
+batches, the scheme's parameters trained, MSE); docs/zoo.md has the measured table and
 ``scripts/zoo_fidelity.py`` prints it.
 """
 
@@ -54,3 +55,20 @@ def test_adapter_scheme_trains_only_the_head(arch, head):
         pytest.skip(str(err))
     assert zoo.head(net) == head
     assert zoo.trainable(net, "adapter") == [f"{head}weight", f"{head}bias"]
+
+
+def test_mobilenet_v3_small_last_layers_within_fidelity(qnn_sdk, caplog):
+    """The last stage trains: its convolution + batch-norm pair is folded on the device
+    (``batch_norm="fold"``, docs/numerics.md), the frozen pairs before it on the host."""
+    import logging
+
+    try:
+        graph = zoo.graph("mobilenet_v3_small", "last_layers", 32)
+    except zoo.TorchvisionUnavailable as err:
+        pytest.skip(str(err))
+    with caplog.at_level(logging.INFO, logger="qnn_convbwd.passes.conv_batch_norm"):
+        compiled = harness.lower_program(graph.program, "SM8650")
+    messages = [r.getMessage() for r in caplog.records]
+    assert len([m for m in messages if "whose weight trains" in m]) == 1, messages
+    assert len([m for m in messages if "folded into" in m]) == 34, messages
+    _check(graph, compiled, compiled.run(list(graph.inputs)), delegates=1, convolution_backwards=1)

@@ -61,11 +61,18 @@ def _trained_parameters(edge_program) -> set[str]:
 
 
 class _Builder:
-    """Creates nodes before ``anchor`` with fake values, in the anchor's metadata."""
+    """Creates nodes before ``anchor`` (or ``before``) with fake values, in the anchor's
+    metadata."""
 
-    def __init__(self, graph_module: torch.fx.GraphModule, anchor: torch.fx.Node) -> None:
+    def __init__(
+        self,
+        graph_module: torch.fx.GraphModule,
+        anchor: torch.fx.Node,
+        before: torch.fx.Node | None = None,
+    ) -> None:
         self.gm = graph_module
         self.anchor = anchor
+        self.before = anchor if before is None else before
         self.ops = integration.get("ops").edge.aten
         self.fake_mode = integration.get("detect_fake_mode")(anchor.args[0].meta["val"])
 
@@ -74,7 +81,7 @@ class _Builder:
             self.gm
         )
         self.gm.register_buffer(attr, value.contiguous())
-        with self.gm.graph.inserting_before(self.anchor):
+        with self.gm.graph.inserting_before(self.before):
             node = self.gm.graph.get_attr(attr)
         node.meta["val"] = self.fake_mode.fake_tensor_converter.from_real_tensor(
             self.fake_mode, value
@@ -82,7 +89,7 @@ class _Builder:
         return node
 
     def call(self, target, *args) -> torch.fx.Node:
-        with self.gm.graph.inserting_before(self.anchor):
+        with self.gm.graph.inserting_before(self.before):
             node = self.gm.graph.create_node("call_function", target, args)
         node.meta.update({k: v for k, v in self.anchor.meta.items() if k != "val"})
         fake_args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
@@ -231,7 +238,7 @@ class StableBatchNorm(OptionGatedPass):
     fold_weight = True
 
     def enabled(self, options) -> bool:
-        return options.batch_norm in ("fold", "decompose")
+        return options.batch_norm in ("fold", "fold_frozen", "decompose")
 
     def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
         changed = decompose_batch_norm(graph_module, self.edge_program, self.fold_weight)

@@ -27,6 +27,11 @@
  * graph creation then succeeds). Every other message reaches executorch's
  * callback unchanged. QNN_CONVBWD_QNN_LOG=all keeps that message too.
  *
+ * It wraps graphCreate so that QNN_CONVBWD_HTP_OPTIMIZATION=1|2|3 replaces the
+ * finalize optimization level executorch's host build hard-codes (3): the level
+ * decides how long QAIRT's graph finalisation takes. Unset, the configs pass
+ * through unchanged.
+ *
  * Set QNN_CONVBWD_SHIM_TRACE=1 to log every custom config it sees (and every
  * dropped message) to stderr.
  *
@@ -79,6 +84,14 @@ typedef qnn_status_t (*log_create_fn)(log_callback_fn callback, int max_level, v
  * used by executorch (arch: uint32 deviceId + uint32 arch) is 8 bytes. */
 #define OLD_PAYLOAD_BYTES 8
 #define MAX_CONFIGS 64
+
+/* The HTP graph custom config as executorch 1.5.1 and QAIRT 2.51 both lay it out
+ * (read with QNN_CONVBWD_SHIM_TRACE=1): uint32 option, payload at byte 8. For the
+ * optimization option (1) the payload is uint32 type, float value; type 3 is the
+ * finalize optimization flag, which executorch's host build sets to 3. */
+#define GRAPH_CUSTOM_CONFIG_BYTES 24
+#define HTP_GRAPH_OPTION_OPTIMIZATION 1
+#define HTP_OPTIMIZATION_FINALIZE_FLAG 3
 
 static device_create_fn real_device_create;
 static graph_create_fn real_graph_create;
@@ -149,18 +162,47 @@ static qnn_status_t shim_device_create(void *logger, const void **configs, void 
   return real_device_create(logger, rewritten, device);
 }
 
+/* The requested finalize optimization level (1 to 3), or 0 to keep the client's. */
+static int optimization_level(void) {
+  const char *v = getenv("QNN_CONVBWD_HTP_OPTIMIZATION");
+  if (v == NULL || v[0] == '\0') return 0;
+  if ((v[0] == '1' || v[0] == '2' || v[0] == '3') && v[1] == '\0') return v[0] - '0';
+  fprintf(stderr, "[qnn_convbwd shim] QNN_CONVBWD_HTP_OPTIMIZATION=%s ignored (1, 2 or 3)\n", v);
+  return 0;
+}
+
 static qnn_status_t shim_graph_create(void *context, const char *name, const void **configs,
                                       void **graph) {
-  if (trace_enabled() && configs != NULL) {
-    for (size_t i = 0; configs[i] != NULL && i < MAX_CONFIGS; ++i) {
-      const void *cfg = configs[i];
-      trace_bytes("graph config", cfg, 16);
-      if (read_u32(cfg, 0) == CONFIG_OPTION_CUSTOM) {
-        trace_bytes("  graph custom config", read_ptr(cfg, CONFIG_UNION_OFFSET), 24);
-      }
+  int level = optimization_level();
+  size_t n = 0;
+  while (configs != NULL && configs[n] != NULL && n < MAX_CONFIGS) ++n;
+  /* Copies of the configs, the finalize optimization's value replaced; they live
+   * for the call, the library copying what it keeps. */
+  unsigned char outer[MAX_CONFIGS][16];
+  unsigned char custom[MAX_CONFIGS][GRAPH_CUSTOM_CONFIG_BYTES];
+  const void *rewritten[MAX_CONFIGS + 1];
+  for (size_t i = 0; i < n; ++i) {
+    const void *cfg = configs[i];
+    rewritten[i] = cfg;
+    trace_bytes("graph config", cfg, 16);
+    if (read_u32(cfg, 0) != CONFIG_OPTION_CUSTOM) continue;
+    const void *old_custom = read_ptr(cfg, CONFIG_UNION_OFFSET);
+    trace_bytes("  graph custom config", old_custom, GRAPH_CUSTOM_CONFIG_BYTES);
+    if (level == 0 || read_u32(old_custom, 0) != HTP_GRAPH_OPTION_OPTIMIZATION ||
+        read_u32(old_custom, CONFIG_UNION_OFFSET) != HTP_OPTIMIZATION_FINALIZE_FLAG) {
+      continue;
     }
+    memcpy(custom[i], old_custom, sizeof custom[i]);
+    float value = (float)level;
+    memcpy(custom[i] + CONFIG_UNION_OFFSET + 4, &value, sizeof value);
+    trace_bytes("  graph custom config (rewritten)", custom[i], GRAPH_CUSTOM_CONFIG_BYTES);
+    memcpy(outer[i], cfg, sizeof outer[i]);
+    const void *p = custom[i];
+    memcpy(outer[i] + CONFIG_UNION_OFFSET, &p, sizeof p);
+    rewritten[i] = outer[i];
   }
-  return real_graph_create(context, name, configs, graph);
+  rewritten[n] = NULL;
+  return real_graph_create(context, name, configs == NULL ? NULL : rewritten, graph);
 }
 
 /* QnnLog_Level_t QNN_LOG_LEVEL_ERROR */
@@ -243,8 +285,8 @@ __attribute__((visibility("default"))) qnn_status_t QnnInterface_getProviders(
                      (void **)&real_device_create) != 0 ||
           patch_slot(p, SLOT_LOG_CREATE, (void *)shim_log_create, (void **)&real_log_create) !=
               0 ||
-          (trace_enabled() && patch_slot(p, SLOT_GRAPH_CREATE, (void *)shim_graph_create,
-                                         (void **)&real_graph_create) != 0)) {
+          patch_slot(p, SLOT_GRAPH_CREATE, (void *)shim_graph_create,
+                     (void **)&real_graph_create) != 0) {
         status = 1;
         break;
       }

@@ -59,13 +59,18 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
 
 def _after_partition(edge_program) -> None:
     """After partitioning: trainable parameters stay top-level tensors, and int64
-    constants kept on CPU keep their stored dtype (``passes.int64_constants``).
+    constants kept on CPU keep their stored dtype (``passes.int64_constants``); the
+    HTP shim is told the ``htp_optimization`` level before executorch's preprocess
+    creates the QNN graphs.
 
     executorch tags a parameter whose users are all delegated into the delegate,
     which then bakes its values into the QNN context. A parameter the joint graph
     returns a gradient for must instead stay a program input that the delegate
     reads at run time: ExecuTorch's training runtime updates it in place.
     """
+    from .toolchain.sdk import request_htp_optimization
+
+    request_htp_optimization(options.current.htp_optimization)
     quant_key = integration.get("QCOM_QUANT_ATTRS")
     for node in signature.trainable_placeholders(edge_program):
         if "delegation_tag" not in node.meta:
@@ -231,9 +236,12 @@ def disable() -> None:
     """Restore executorch exactly as it was before enable(), and the environment
     variables enable() set (``SideEffects``)."""
     global _side_effects
+    from .toolchain.sdk import EXECUTORCH_OPTIMIZATION, request_htp_optimization
+
     with _state_lock:
         integration.uninstall()
         options.current = options.Options()
+        request_htp_optimization(EXECUTORCH_OPTIMIZATION)
         if _side_effects is not None:
             for name, (value, after) in _side_effects.environment.items():
                 if os.environ.get(name) != after:

@@ -74,6 +74,11 @@ MUL_OVER_ADD_MODES = ("distribute", "keep")
 HARDSWISH_MODES = ("centred", "executorch")
 
 
+# QAIRT's graph finalize optimization level for the HTP graphs compiled (the HTP
+# shim replaces executorch's hard-coded 3, htp_shim.c): a lower level finalises a
+# large graph much faster (docs/toolchain.md has the measured times and results).
+HTP_OPTIMIZATION_LEVELS = (1, 2, 3)
+
 # The largest finite float16: the loss scale seeds the backward as an fp16 tensor.
 FP16_MAX = 65504.0
 
@@ -92,6 +97,7 @@ class Options:
     # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
     # default: larger scales overflow fp16 in some backwards (docs/numerics.md).
     loss_scale: float = 1.0
+    htp_optimization: int = 3
 
     def __post_init__(self) -> None:
         for field, choices in (
@@ -108,6 +114,11 @@ class Options:
                 raise ValueError(
                     f"qnn_convbwd option {field}={value!r} is not one of {', '.join(choices)}"
                 )
+        if self.htp_optimization not in HTP_OPTIMIZATION_LEVELS:
+            raise ValueError(
+                f"qnn_convbwd option htp_optimization={self.htp_optimization!r} is not one of "
+                f"{', '.join(map(str, HTP_OPTIMIZATION_LEVELS))}"
+            )
         if not (0 < self.loss_scale <= FP16_MAX):
             raise ValueError(
                 f"qnn_convbwd option loss_scale={self.loss_scale!r} must be > 0 and at most "

@@ -240,3 +240,50 @@ def test_doctor_json_on_clean_stdout(qnn_sdk):
     report = json.loads(proc.stdout)  # QNN's own prints went to stderr
     assert report["ok"] is True
     assert report["sdk"]["build_id_loaded"] == report["sdk"]["build_id_file"] == qnn_sdk.build_id
+
+
+_OPTIMIZATION_CHILD = textwrap.dedent(
+    """
+    import os, torch
+    import qnn_convbwd
+    from qnn_convbwd.toolchain import harness
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(16, 8, 1)
+    ).eval()
+    x = torch.randn(1, 3, 12, 12)
+    program = torch.export.export(model, (x,), strict=True)
+    with qnn_convbwd.enabled(htp_optimization=1):
+        compiled = harness.lower_program(program, "SM8650")
+        during = os.environ.get("QNN_CONVBWD_HTP_OPTIMIZATION")
+    error = (compiled.run([x])[0] - model(x)).abs().max() / model(x).abs().max()
+    print("CHILD", during, os.environ.get("QNN_CONVBWD_HTP_OPTIMIZATION"), float(error))
+    """
+)
+
+
+@pytest.mark.htp
+def test_htp_optimization_reaches_the_graph_config(qnn_sdk):
+    """``htp_optimization=1``: the shim hands QAIRT finalize level 1 (the flag's float 1.0,
+    bytes 0000803f, in place of executorch's 3.0), the program still computes the model,
+    and leaving ``enabled`` removes the variable again."""
+    if qnn_sdk.shim is None:
+        pytest.skip(
+            f"this QAIRT needs no shim, which the option works through: {qnn_sdk.shim_reason}"
+        )
+    env = {k: v for k, v in os.environ.items() if k != "QNN_CONVBWD_HTP_OPTIMIZATION"}
+    env["QNN_CONVBWD_SHIM_TRACE"] = "1"
+    proc = subprocess.run(
+        [sys.executable, "-c", _OPTIMIZATION_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rewritten = [x for x in proc.stderr.splitlines() if "(rewritten)" in x]
+    assert rewritten and all("03000000 0000803f" in x for x in rewritten), rewritten
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("CHILD"))
+    _, during, after, error = line.split()
+    assert (during, after) == ("1", "None")
+    assert float(error) <= FP16_RELATIVE_TOLERANCE, error

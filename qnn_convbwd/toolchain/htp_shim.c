@@ -202,6 +202,7 @@ static qnn_status_t shim_graph_create(void *context, const char *name, const voi
     rewritten[i] = outer[i];
   }
   rewritten[n] = NULL;
+  if (real_graph_create == NULL) return 1; /* the provider offered no graphCreate */
   return real_graph_create(context, name, configs == NULL ? NULL : rewritten, graph);
 }
 

@@ -304,6 +304,39 @@ def _prepend_env(name: str, value: str) -> None:
 ENVIRONMENT = ("QNN_SDK_ROOT", "LD_LIBRARY_PATH")
 
 
+# Read by the HTP shim at each graph creation: the finalize optimization level
+# (htp_shim.c). Set by request_htp_optimization, never by ensure_sdk.
+OPTIMIZATION_VARIABLE = "QNN_CONVBWD_HTP_OPTIMIZATION"
+EXECUTORCH_OPTIMIZATION = 3  # what executorch 1.5.1's host build asks for
+_optimization_requested = False
+
+
+def request_htp_optimization(level: int) -> None:
+    """Have the HTP shim finalize the graphs compiled next at ``level`` (1 to 3).
+
+    Executorch's own level (3) removes the variable again if this function set it;
+    a value the user exported is then left alone.
+    """
+    global _optimization_requested
+    with _lock:
+        if level == EXECUTORCH_OPTIMIZATION:
+            if _optimization_requested:
+                os.environ.pop(OPTIMIZATION_VARIABLE, None)
+                _optimization_requested = False
+            return
+        if _active is not None and _active.shim is None:
+            logger.warning(
+                "htp_optimization=%d needs the HTP shim, which is not in use (%s): "
+                "executorch's level %d stays",
+                level,
+                _active.root,
+                EXECUTORCH_OPTIMIZATION,
+            )
+            return
+        os.environ[OPTIMIZATION_VARIABLE] = str(level)
+        _optimization_requested = True
+
+
 def _export(info: SdkInfo) -> None:
     """For executorch (skips its SDK download) and for child processes."""
     if info.source == "QNN_SDK_ROOT":

@@ -55,10 +55,6 @@ FOLDED_WEIGHTS: dict[str, torch.Tensor] = {}
 
 # Ops the backward's scale of ``g`` is computed with (autograd's batch-norm backward:
 # rsqrt(var + eps) * gamma, unsqueezed to [C, 1, 1] / [1, C, 1, 1]).
-# A trained batch-norm weight at least this large (in magnitude) gets its gradient
-# from the folded convolution's output; a smaller one from the weights (_fold_trained).
-_GAMMA_FLOOR = 2.0**-6
-
 _SCALE_OPS = (
     "aten.add.Tensor",
     "aten.add.Scalar",
@@ -238,7 +234,7 @@ def _fold_one(
     new_bias = build.constant("folded_bias", folded_bias)
     conv.args = (x, new_weight, new_bias, *conv.args[3:])
     out = conv
-    if trained_beta:  # added after the convolution as a read of the parameter
+    if trained_beta:  # a read of the parameter: a read of the parameter
         after = _Builder(graph_module, bn)
         view = after.call(ops.view_copy.default, beta, [1, channels, *([1] * (w.dim() - 2))])
         out = after.call(ops.add.Tensor, conv, view)
@@ -330,8 +326,7 @@ def _fold_trained(
     ``(g, x, W * s)``, whose grad_weight ``dW'`` and grad_bias are scaled by ``s``
     to the parameters' gradients; when gamma trains, autograd's
     ``sum(g * (conv_out - mean))`` (which read the unfolded output, no longer
-    computed) is read back from the folded output, or for a gamma near 0 from the
-    weights (``_GAMMA_FLOOR``).
+    computed) is ``sum(dW' * W) + (conv_bias - mean) * sum(g)``.
     """
     ops = integration.get("ops").edge.aten
     conv, gamma, beta, mean, var = bn.args[:5]
@@ -401,10 +396,8 @@ def _fold_trained(
     # A trained beta is added after the convolution, as in the frozen fold. Summed
     # into the convolution's bias on the device the step was less accurate, even with
     # beta = 0 (MobileNetV3-Small's features[:9], fully trained, SM8650: loss relative
-    # error 2.6e-3 that way, 1.4e-3 added after; the mechanism was not found). When
-    # gamma trains, a frozen beta is added after too: grad_gamma reads the
-    # convolution's output as ``(conv_out - mean) * s``.
-    if beta_value is not None and not g_trains:
+    # error 2.6e-3 that way, 1.4e-3 added after; the mechanism was not found).
+    if beta_value is not None:
         if isinstance(bias, torch.fx.Node):
             bias = fwd.call(ops.add.Tensor, bias, fwd.constant("beta", beta_value))
         else:
@@ -413,14 +406,10 @@ def _fold_trained(
         bias = fwd.constant("folded_bias", bias)
     conv.args = (x, new_weight, bias, *conv.args[3:])
     out = conv
-    after_bn = _Builder(graph_module, bn)
-    per_channel = [1, channels, *([1] * (rank - 2))]
     if beta_trains:
-        view = after_bn.call(ops.view_copy.default, beta, per_channel)
+        after_bn = _Builder(graph_module, bn)
+        view = after_bn.call(ops.view_copy.default, beta, [1, channels, *([1] * (rank - 2))])
         out = after_bn.call(ops.add.Tensor, conv, view)
-    elif beta_value is not None and g_trains:
-        shift = after_bn.constant("beta", beta_value.reshape(per_channel))
-        out = after_bn.call(ops.add.Tensor, conv, shift)
     for user in list(bn.users):
         user.replace_all_uses_with(out)
         graph_module.graph.erase_node(user)
@@ -438,35 +427,19 @@ def _fold_trained(
         )
         grad_b.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
     if gamma_sum is not None:
-        # autograd's sum(g * (conv_out - mean)), the unfolded output being gone, in one
-        # of two forms per channel:
-        # * from the folded output: sum(g * conv) / s, conv = (conv_out - mean) * s.
-        #   Autograd's own centred sum; used while |gamma| >= _GAMMA_FLOOR.
-        # * from the weights: sum(dW' * W) + (conv_bias - mean) * sum(g), exact in
-        #   fp32 for any gamma but a difference of two large sums: in fp16 it cancels
-        #   (resnet18's layer4 gammas, 4608 taps a channel: relative L2 2.8x the fp16
-        #   floor; docs/numerics.md). Used for
-        #   a gamma near 0, where the folded output carries too little of the centred one.
+        # sum(g * (conv_out - mean)) = sum(dW' * W) + (conv_bias - mean) * sum(g)
         build = _Builder(graph_module, backward, before=grad_weight)
-        dims = [0, *range(2, rank)]
-        by_output = build.call(
-            ops.div.Tensor,
-            build.call(ops.sum.dim_IntList, build.call(ops.mul.Tensor, upstream, conv), dims),
-            s_vec,
-        )
         taps = build.call(
             ops.sum.dim_IntList,
             build.call(ops.mul.Tensor, folded_grad, weight),
             list(range(1, rank)),
         )
-        upstream_sum = build.call(ops.sum.dim_IntList, upstream, dims)
+        spatial = conv.meta["val"].dim()
+        upstream_sum = build.call(ops.sum.dim_IntList, upstream, [0, *range(2, spatial)])
         if not isinstance(offset, torch.fx.Node):
             offset = build.constant("offset", offset)
         shift = build.call(ops.mul.Tensor, upstream_sum, offset)
-        by_weight = build.call(ops.add.Tensor, taps, shift)
-        floor = build.constant("gamma_floor", torch.full([channels], _GAMMA_FLOOR))
-        large = build.call(ops.ge.Tensor, build.call(ops.abs.default, gamma), floor)
-        gamma_sum.replace_all_uses_with(build.call(ops.where.self, large, by_output, by_weight))
+        gamma_sum.replace_all_uses_with(build.call(ops.add.Tensor, taps, shift))
         _sort_topologically(graph_module.graph)
     logger.info(
         "batch norm %s: folded into %s, whose weight trains (the folded weight is "

@@ -127,20 +127,30 @@ def test_a_trained_convolution_weight_is_not_folded_with_fold_frozen(caplog):
 
 
 @pytest.mark.parametrize(
-    "trains",
+    ("trains", "zero_gammas"),
     [
-        pytest.param(lambda name: True, id="full"),
+        pytest.param(lambda name: True, False, id="full"),
+        # half of each batch norm's weights 0: the folded weight's rows are 0 there
+        pytest.param(lambda name: True, True, id="full-zero-gammas"),
         # the convolutions and the batch-norm biases: the scale is a constant
-        pytest.param(lambda name: name.endswith(".0.weight") or name.endswith(".bias"), id="conv"),
+        pytest.param(
+            lambda name: name.endswith(".0.weight") or name.endswith(".bias"), False, id="conv"
+        ),
     ],
 )
-def test_trained_pairs_fold_on_the_device_and_compute_the_same_step(trains):
+def test_trained_pairs_fold_on_the_device_and_compute_the_same_step(trains, zero_gammas):
     """Full fine-tuning: the folded weight ``W * s`` is a graph op, each backward reads
     it with grad_output ``g``, and every output (grad_gamma through ``sum(dW' * W)``)
     equals the unfolded graph's in fp32."""
     from qnn_convbwd.passes.conv_batch_norm import fold_batch_norms
 
-    graph = _retrained(nm.bn_training_graph(train="bias", backbone_fn=_stem_and_block), trains)
+    graph = nm.bn_training_graph(train="bias", backbone_fn=_stem_and_block)
+    if zero_gammas:
+        with torch.no_grad():
+            for module in graph.model.modules():
+                if isinstance(module, nn.BatchNorm2d):
+                    module.weight[::2] = 0.0
+    graph = _retrained(graph, trains)
     edge = _edge(graph.program)
     before = _run(edge, graph.inputs)
     gm = edge.graph_module
@@ -160,6 +170,7 @@ def test_trained_pairs_fold_on_the_device_and_compute_the_same_step(trains):
     names = fidelity.output_names(graph.program)
     assert len(before) == len(after) == len(names)
     for name, a, b in zip(names, after, before):
+        assert torch.isfinite(a).all(), name
         assert fidelity.Metrics.of(a, b).rel_l2 < 1e-5, name
 
 

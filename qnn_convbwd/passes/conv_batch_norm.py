@@ -234,7 +234,7 @@ def _fold_one(
     new_bias = build.constant("folded_bias", folded_bias)
     conv.args = (x, new_weight, new_bias, *conv.args[3:])
     out = conv
-    if trained_beta:  # a read of the parameter: a read of the parameter
+    if trained_beta:  # added after the convolution as a read of the parameter
         after = _Builder(graph_module, bn)
         view = after.call(ops.view_copy.default, beta, [1, channels, *([1] * (w.dim() - 2))])
         out = after.call(ops.add.Tensor, conv, view)

@@ -33,6 +33,23 @@ def test_metrics_of_a_scaled_and_an_orthogonal_tensor():
     assert fidelity.Metrics.of(b, torch.zeros(3)).rel_l2 == float("inf")
 
 
+def test_a_non_finite_gradient_is_never_within_and_a_non_finite_floor_is_beaten():
+    b = torch.tensor([3.0, -4.0, 1.0])
+    floor = fidelity.Metrics.of(b * 1.01, b)
+    for bad in (float("inf"), float("nan")):
+        broken = fidelity.Metrics.of(torch.tensor([3.0, bad, 1.0]), b)
+        assert not broken.finite and broken.rel_l2 == float("inf") and broken.cosine == -1.0
+        row = fidelity.Row("t", broken, floor)
+        assert not row.within and row.why() == "not finite"
+        # torch's fp16 step overflowed: any finite HTP gradient beats it, a non-finite one not
+        assert fidelity.Row("t", fidelity.Metrics.of(b * 1.3, b), broken).within
+        assert not fidelity.Row("t", broken, broken).within
+        pooled = fidelity.pooled([fidelity.Report([fidelity.Row("t", floor, broken)])] * 2).rows[0]
+        assert pooled.within and not pooled.floor.finite
+    table = fidelity.Report([fidelity.Row("t", floor, broken)]).to_markdown()
+    assert "| yes (fp16 step not finite) |" in table
+
+
 def _linear_step():
     graph = models.training_graph("linear", size=6)
     reference = graph.reference()

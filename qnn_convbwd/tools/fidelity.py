@@ -20,6 +20,11 @@ relative L2 allows four times its 1 - cosine. A fixed slack on the cosine
 on a MobileNet-like bias-only step (numerics_models.bn_training_graph, SM8650),
 a bias gradient with rel_l2 0.173 against the floor's 0.164 (1.06x) has cosine
 0.98496 against 0.98674.
+A tensor the HTP returns with an infinite or NaN element is never within. One
+whose fp16 step overflows (torch's float16 autograd returns inf or NaN there:
+EfficientNet-B0's fully trained step at 32 px has one) has no floor to match:
+its floor counts as the worst possible (relative L2 inf, cosine -1), so a
+finite HTP gradient is within, and the table says the floor was not finite.
 ``REL_L2_EPS`` covers tensors whose floor is ~0 (fp16 happens to be exact, e.g.
 a loss or a bias gradient of few terms): 1e-3 is twice fp16's unit roundoff
 (2**-11 = 4.9e-4) in relative L2, the error of one rounding to fp16 of every
@@ -57,6 +62,7 @@ class Metrics:
     max_rel: float  # max|a - b| / max|b|
     rel_l2: float  # ||a - b|| / ||b||
     cosine: float  # <a, b> / (||a|| ||b||); 1 when both are zero
+    finite: bool = True  # every element of the actual tensor is finite
 
     @classmethod
     def of(cls, actual: torch.Tensor, reference: torch.Tensor) -> Metrics:
@@ -64,6 +70,8 @@ class Metrics:
         b = reference.detach().double().flatten()
         if a.shape != b.shape:
             raise ValueError(f"shape {tuple(actual.shape)} vs reference {tuple(reference.shape)}")
+        if not bool(torch.isfinite(a).all()):
+            return cls(max_rel=math.inf, rel_l2=math.inf, cosine=-1.0, finite=False)
         diff = a - b
         return cls(
             max_rel=_ratio(diff.abs().max().item(), b.abs().max().item()),
@@ -103,10 +111,16 @@ class Row:
 
     @property
     def within(self) -> bool:
-        return self.htp.rel_l2 <= self.rel_l2_limit and self.htp.cosine >= self.cosine_limit
+        return (
+            self.htp.finite
+            and self.htp.rel_l2 <= self.rel_l2_limit
+            and self.htp.cosine >= self.cosine_limit
+        )
 
     def why(self) -> str:
         """What exceeds the limits (empty when within)."""
+        if not self.htp.finite:
+            return "not finite"
         reasons = []
         if not self.htp.rel_l2 <= self.rel_l2_limit:
             reasons.append(f"rel_l2 {self.htp.rel_l2:.3g} > {self.rel_l2_limit:.3g}")
@@ -156,7 +170,8 @@ class Report:
         lines = [
             f"| {r.name} | {r.htp.max_rel:.3g} | {r.htp.rel_l2:.3g} | {r.htp.cosine:.6f} "
             f"| {r.floor.max_rel:.3g} | {r.floor.rel_l2:.3g} | {r.floor.cosine:.6f} "
-            f"| {'yes' if r.within else 'no: ' + r.why()} |"
+            f"| {'yes' if r.within else 'no: ' + r.why()}"
+            f"{'' if r.floor.finite else ' (fp16 step not finite)'} |"
             for r in self.rows
         ]
         return "\n".join([head, *lines, "", self.verdict()])
@@ -185,6 +200,7 @@ def pooled(reports: Sequence[Report]) -> Report:
             max_rel=max(m.max_rel for m in metrics),
             rel_l2=math.sqrt(sum(m.rel_l2**2 for m in metrics) / len(metrics)),
             cosine=1.0 - sum(1.0 - m.cosine for m in metrics) / len(metrics),
+            finite=all(m.finite for m in metrics),
         )
 
     rows = []

@@ -77,7 +77,7 @@ HARDSWISH_MODES = ("centred", "executorch")
 # QAIRT's graph finalize optimization level for the HTP graphs compiled (the HTP
 # shim replaces executorch's hard-coded 3, htp_shim.c): a lower level finalises a
 # large graph much faster (docs/toolchain.md has the measured times and results).
-HTP_OPTIMIZATION_LEVELS = (1, 2, 3)
+HTP_OPTIMIZATION_LEVELS = (2, 3)
 
 # The largest finite float16: the loss scale seeds the backward as an fp16 tensor.
 FP16_MAX = 65504.0

@@ -114,11 +114,15 @@ class Options:
                 raise ValueError(
                     f"qnn_convbwd option {field}={value!r} is not one of {', '.join(choices)}"
                 )
-        if self.htp_optimization not in HTP_OPTIMIZATION_LEVELS:
+        if type(self.htp_optimization) is not int or (
+            self.htp_optimization not in HTP_OPTIMIZATION_LEVELS
+        ):
             raise ValueError(
                 f"qnn_convbwd option htp_optimization={self.htp_optimization!r} is not one of "
                 f"{', '.join(map(str, HTP_OPTIMIZATION_LEVELS))}"
             )
+        if isinstance(self.loss_scale, int) and not isinstance(self.loss_scale, bool):
+            object.__setattr__(self, "loss_scale", float(self.loss_scale))  # 256 as 256.0
         if not (0 < self.loss_scale <= FP16_MAX):
             raise ValueError(
                 f"qnn_convbwd option loss_scale={self.loss_scale!r} must be > 0 and at most "

@@ -140,14 +140,17 @@ def main() -> int:
 
 
 def parse_options(pairs: list[str]) -> dict[str, object]:
-    """``["a=b", "loss_scale=256"]`` as ``{"a": "b", "loss_scale": 256.0}``."""
+    """``["a=b", "loss_scale=256.0", "htp_optimization=2"]`` as
+    ``{"a": "b", "loss_scale": 256.0, "htp_optimization": 2}``."""
     out: dict[str, object] = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        try:
-            out[name] = float(value)
-        except ValueError:
-            out[name] = value
+        for parse in (int, float, str):
+            try:
+                out[name] = parse(value)
+                break
+            except ValueError:
+                continue
     return out
 
 

@@ -312,7 +312,8 @@ _optimization_requested = False
 
 
 def request_htp_optimization(level: int) -> None:
-    """Have the HTP shim finalize the graphs compiled next at ``level`` (1 to 3).
+    """Have the HTP shim finalize the graphs compiled next at ``level`` (2 or 3; the
+    shim also takes 1, which QAIRT 2.51 miscompiles with: docs/htp_defects.md).
 
     Executorch's own level (3) removes the variable again if this function set it;
     a value the user exported is then left alone.

@@ -24,6 +24,11 @@ rounding is already outside the limit), and how many of those are outside.
 (``zoo.more_inputs``: seeded normal inputs and targets of the same shapes) and
 judges each tensor's errors pooled over the K inputs (``fidelity.pooled``);
 the "within" column then also says on how many inputs alone the step is within.
+
+``--neighbours K`` pools over the graph's input and K - 1 copies of it moved by
+at most one fp16 rounding (``fidelity.neighbours``): the same step as far as
+fp16 can tell, so the pooled floor is torch fp16's typical error on it rather
+than one draw (docs/numerics.md). The input's own verdict is printed beside.
 """
 
 from __future__ import annotations
@@ -45,19 +50,43 @@ from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
 
 
 def measure(
-    arch: str, scheme: str, soc: str, size: int, inputs: int = 1, spread: int = 0
+    arch: str,
+    scheme: str,
+    soc: str,
+    size: int,
+    inputs: int = 1,
+    spread: int = 0,
+    neighbours: int = 0,
 ) -> tuple[str, fidelity.Report]:
     start = time.perf_counter()
     graph = zoo.graph(arch, scheme, size)
     export_s = time.perf_counter() - start
     compiled = harness.lower_program(graph.program, soc)
     start = time.perf_counter()
-    reports = zoo.reports(graph, compiled, inputs)
+    if neighbours:
+        reports = zoo.reports(graph, compiled, neighbours, around=True)
+    else:
+        reports = zoo.reports(graph, compiled, inputs)
     run_s = time.perf_counter() - start
-    report = fidelity.pooled(reports) if inputs > 1 else reports[0]
+    report = fidelity.pooled(reports) if len(reports) > 1 else reports[0]
     within = "yes" if report.within else "no"
-    if inputs > 1:
-        within += f" (pooled over {inputs} inputs; {sum(r.within for r in reports)} within alone)"
+    offending = "; ".join(report.offending) or "-"
+    alone = sum(r.within for r in reports)
+    if neighbours:
+        first = reports[0]
+        median = fidelity.pooled(reports, how="median")
+        own = "yes" if first.within else f"no, {len(first.offending)} outside"
+        typical = "yes" if median.within else f"no, {len(median.offending)} outside"
+        within += (
+            f" (pooled over the input and {neighbours - 1} neighbours; {alone} within alone; "
+            f"medians: {typical}; the input alone: {own})"
+        )
+        offending = (
+            f"pooled: {offending}; medians: {'; '.join(median.offending) or '-'}; "
+            f"the input alone: {'; '.join(first.offending) or '-'}"
+        )
+    elif inputs > 1:
+        within += f" (pooled over {inputs} inputs; {alone} within alone)"
     rows = compiled.report.rows
     worst = report.worst()
     row = (
@@ -65,7 +94,7 @@ def measure(
         f"| {', '.join(cpu_ops(compiled.edge)) or 'nothing'} "
         f"| {compiled.report.delegated} of {len(rows)} | {len(report.rows)} "
         f"| {within} "
-        f"| {'; '.join(report.offending) or '-'} "
+        f"| {offending} "
         f"| {worst.name} {worst.htp.rel_l2:.3g} (floor {worst.floor.rel_l2:.3g}) "
         f"| {export_s:.0f} + {compiled.lower_seconds:.0f} + {run_s:.0f} |"
     )
@@ -122,6 +151,14 @@ def main() -> int:
         "--inputs", type=int, default=1, help="judge errors pooled over this many inputs"
     )
     parser.add_argument(
+        "--neighbours",
+        type=int,
+        default=0,
+        metavar="K",
+        help="judge errors pooled over the input and K - 1 copies moved by one fp16 rounding "
+        "(fidelity.neighbours); the input's own verdict is printed too",
+    )
+    parser.add_argument(
         "--spread",
         type=int,
         default=0,
@@ -174,7 +211,9 @@ def sweep(args: argparse.Namespace) -> int:
     )
     for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
         try:
-            row, report = measure(arch, scheme, soc, size, args.inputs, args.spread)
+            row, report = measure(
+                arch, scheme, soc, size, args.inputs, args.spread, args.neighbours
+            )
         except Exception as err:  # one graph's failure must not hide the others
             print(
                 f"| {arch} | {scheme} | {size} | {soc} | failed: "

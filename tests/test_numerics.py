@@ -169,6 +169,69 @@ def test_ill_conditioned_names_tensors_whose_spread_exceeds_their_limit():
         report.ill_conditioned([0.0, 0.0])
 
 
+def test_neighbours_move_each_float_input_by_at_most_one_fp16_rounding():
+    x, labels = torch.randn(2, 8), torch.tensor([3, 1])
+    found = fidelity.neighbours((x, labels), 4, seed=5)
+    assert len(found) == 4 and found[0][0] is x
+    for moved, same in found[1:]:
+        assert same is labels
+        assert not torch.equal(moved, x)
+        assert ((moved - x).abs() <= x.abs() * fidelity.UNIT_ROUNDOFF).all()
+    again = fidelity.neighbours((x, labels), 4, seed=5)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(found, again))
+    with pytest.raises(ValueError, match="at least 1"):
+        fidelity.neighbours((x,), 0)
+
+
+def test_pooled_over_neighbours_tells_fp16_noise_from_a_defect():
+    """An ill-conditioned step (ReLU margins 1e-4): a stand-in lowering whose only
+    error is rounding its inputs to fp16 fails some neighbours alone, and is within
+    pooled over 16; one that also scales the bias gradients by 1.05 is not."""
+    from torch.export.experimental import _export_forward_backward
+
+    model = _ReluNet(1e-4)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith("bias"))
+    inputs = (model.x.clone(), torch.randn(1, 4, generator=torch.Generator().manual_seed(1)))
+    joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
+    noise, defect = [], []
+    for moved in fidelity.neighbours(inputs, 16):
+        reference = models.autograd_reference(model, moved, joint)
+        floor = fidelity.fp16_reference(model, moved, joint)
+        rounded = models.autograd_reference(model, tuple(t.half().float() for t in moved), joint)
+        noise.append(fidelity.assess(joint, rounded, reference, floor))
+        scaled = [rounded[0], *(t * 1.05 for t in rounded[1:])]
+        defect.append(fidelity.assess(joint, scaled, reference, floor))
+    assert not all(r.within for r in noise)
+    assert fidelity.pooled(noise).within and fidelity.pooled(noise, how="median").within
+    assert not any(r.within for r in defect)
+    assert not fidelity.pooled(defect).within
+    assert not fidelity.pooled(defect, how="median").within
+
+
+def test_median_pooling_takes_the_typical_draw():
+    def report(htp: float, floor: float) -> fidelity.Report:
+        return fidelity.Report(
+            [
+                fidelity.Row(
+                    "t",
+                    fidelity.Metrics(htp, htp, 1 - htp),
+                    fidelity.Metrics(floor, floor, 1 - floor),
+                )
+            ]
+        )
+
+    # one flip lifts the floor's mean square in one draw; off 3x on the other two
+    draws = [report(0.03, 0.01), report(0.03, 0.01), report(0.6, 0.6)]
+    assert fidelity.pooled(draws).within
+    (row,) = fidelity.pooled(draws, how="median").rows
+    assert (row.htp.rel_l2, row.floor.rel_l2) == (0.03, 0.01)
+    assert row.htp.cosine == pytest.approx(0.97)
+    assert not fidelity.pooled(draws, how="median").within
+    with pytest.raises(ValueError, match="how must be"):
+        fidelity.pooled(draws, how="mean")
+
+
 # --- batch norm: the rewrite's structure (no SDK) ---------------------------------
 
 

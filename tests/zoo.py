@@ -218,13 +218,18 @@ def more_inputs(graph, count: int) -> list[tuple[torch.Tensor, ...]]:
     return out
 
 
-def reports(graph, compiled, count: int = 1, first=None) -> list:
+def reports(graph, compiled, count: int = 1, first=None, around: bool = False) -> list:
     """``fidelity.assess_model`` of ``compiled`` on the graph's input and ``count - 1``
-    ``more_inputs`` (``first``: the outputs on the graph's input, when already run)."""
+    ``more_inputs`` (``first``: the outputs on the graph's input, when already run);
+    with ``around``, ``count - 1`` ``fidelity.neighbours`` of the input instead."""
     from qnn_convbwd.tools import fidelity
 
+    if around:
+        inputs = fidelity.neighbours(graph.inputs, count)
+    else:
+        inputs = [graph.inputs, *more_inputs(graph, count - 1)]
     found = []
-    for i, args in enumerate([graph.inputs, *more_inputs(graph, count - 1)]):
+    for i, args in enumerate(inputs):
         outputs = first if i == 0 and first is not None else compiled.run(list(args))
         outputs = joint_outputs(graph, outputs)
         found.append(fidelity.assess_model(graph.model, args, graph.program, outputs))

@@ -443,3 +443,7 @@ def test_fidelity_command_prints_the_table_and_its_verdict(qnn_sdk, capsys):
     assert cli.main(["fidelity", "--graph", "small-loss", "--loss-scale", "4096"]) == 0
     out = capsys.readouterr().out
     assert "| model.adapter.weight |" in out and "within fidelity (7 tensors)" in out
+    assert cli.main(["fidelity", "--graph", "bn-bias", "--neighbours", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "over the input and 2 neighbours" in out and "within alone: 3 of 3" in out
+    assert "medians: within fidelity (13 tensors)" in out

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -57,6 +58,7 @@ def measure(
     inputs: int = 1,
     spread: int = 0,
     neighbours: int = 0,
+    dump: str | None = None,
 ) -> tuple[str, fidelity.Report]:
     start = time.perf_counter()
     graph = zoo.graph(arch, scheme, size)
@@ -68,6 +70,13 @@ def measure(
     else:
         reports = zoo.reports(graph, compiled, inputs)
     run_s = time.perf_counter() - start
+    if dump:
+        draws = [
+            {r.name: [r.htp.rel_l2, r.htp.cosine, r.floor.rel_l2, r.floor.cosine] for r in rep.rows}
+            for rep in reports
+        ]
+        path = Path(dump.format(arch=arch, scheme=scheme, size=size, soc=soc))
+        path.write_text(json.dumps(draws))
     report = fidelity.pooled(reports) if len(reports) > 1 else reports[0]
     within = "yes" if report.within else "no"
     offending = "; ".join(report.offending) or "-"
@@ -159,6 +168,12 @@ def main() -> int:
         "(fidelity.neighbours); the input's own verdict is printed too",
     )
     parser.add_argument(
+        "--dump",
+        metavar="PATH",
+        help="write each input's rel L2 and cosine (HTP, floor) per tensor as JSON; "
+        "{arch}, {scheme}, {size}, {soc} are filled in",
+    )
+    parser.add_argument(
         "--spread",
         type=int,
         default=0,
@@ -212,7 +227,7 @@ def sweep(args: argparse.Namespace) -> int:
     for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
         try:
             row, report = measure(
-                arch, scheme, soc, size, args.inputs, args.spread, args.neighbours
+                arch, scheme, soc, size, args.inputs, args.spread, args.neighbours, args.dump
             )
         except Exception as err:  # one graph's failure must not hide the others
             print(

@@ -43,6 +43,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import statistics
 from collections.abc import Sequence
 
 import torch
@@ -190,7 +191,7 @@ def pooled(reports: Sequence[Report], how: str = "rms") -> Report:
     relative error; the limits (``Row``) are then applied to the pooled numbers.
 
     ``how="median"`` takes each number's median over the reports instead (the
-    upper median for an even count): a typical draw rather than the mean square,
+    mean of the middle two for an even count): a typical draw rather than the mean square,
     which one flipped ReLU mask in one report can dominate for the HTP and the
     floor alike, so a lowering that is off on most inputs fails it even where
     such a flip lifts the root mean square of the floor.
@@ -203,15 +204,12 @@ def pooled(reports: Sequence[Report], how: str = "rms") -> Report:
     if any([r.name for r in report.rows] != names for report in reports):
         raise ValueError("reports of different programs")
 
-    def upper_median(values: list[float]) -> float:
-        return sorted(values)[len(values) // 2]
-
     def pool(metrics: list[Metrics]) -> Metrics:
         if how == "median":
             return Metrics(
-                max_rel=upper_median([m.max_rel for m in metrics]),
-                rel_l2=upper_median([m.rel_l2 for m in metrics]),
-                cosine=1.0 - upper_median([1.0 - m.cosine for m in metrics]),
+                max_rel=statistics.median([m.max_rel for m in metrics]),
+                rel_l2=statistics.median([m.rel_l2 for m in metrics]),
+                cosine=1.0 - statistics.median([1.0 - m.cosine for m in metrics]),
                 finite=all(m.finite for m in metrics),
             )
         return Metrics(

@@ -226,6 +226,19 @@ def pooled(reports: Sequence[Report], how: str = "rms") -> Report:
     return Report(rows)
 
 
+def neighbourhood_summary(reports: Sequence[Report]) -> tuple[bool, list[str]]:
+    """Whether ``reports`` (the input's first, then its neighbours') are within by the
+    rms and the median pooling both, and the lines that say so: the median verdict,
+    the input's own, and how many draws are within alone."""
+    median = pooled(reports, how="median")
+    lines = [
+        f"medians: {median.verdict()}",
+        f"the input alone: {reports[0].verdict()}",
+        f"within alone: {sum(r.within for r in reports)} of {len(reports)}",
+    ]
+    return pooled(reports).within and median.within, lines
+
+
 def output_names(joint: torch.export.ExportedProgram) -> list[str]:
     """One name per output of a joint program: "loss" or the parameter it is a gradient of."""
     names = []

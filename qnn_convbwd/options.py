@@ -40,16 +40,18 @@ INPUT_GRADIENT_FORMULATIONS = ("runtime_weight", "transpose_conv")
 # How eval-mode batch norm (aten._native_batch_norm_legit_no_training) is lowered:
 #   "fold"       passes.conv_batch_norm: one after a frozen convolution is folded into
 #                its weight and bias on the host (the backward's grad_input reads the
-#                folded weight); the others as "decompose" (MobileNetV3-Small's logits:
-#                0.95x torch fp16's error, "decompose" 2.5x; docs/zoo.md). One after a
-#                convolution whose weight trains is folded on the device each step
-#                (weight * scale, the backward rewritten to match);
+#                folded weight; MobileNetV3-Small's logits: 0.95x torch fp16's error,
+#                "decompose" 2.5x; docs/zoo.md). One after a convolution whose weight
+#                trains is folded on the device each step (weight * scale, the
+#                backward rewritten to match) where that does less element-wise work
+#                than the batch norm it replaces (weight-sized ops for
+#                activation-sized ones: the early, wide-spatial layers), else kept as
+#                "decompose" (resnet18 fully trained at 32 px: within fidelity and a
+#                step ~20x cheaper on the simulator than "fold_device"; docs/numerics.md);
+#                the others as "decompose";
+#   "fold_device" as "fold", every pair of a trained convolution folded on the device;
 #   "fold_frozen" only the pairs of a frozen convolution are folded;
-#   "decompose"  passes.batch_norm: (x - mean) * scale + b with the node's epsilon;
-#   "executorch" executorch's QNN Batchnorm visitor, whose epsilon is hard-coded
-#                to 1e-9 (wrong for channels with a small running variance;
-#                docs/numerics.md).
-BATCH_NORM_MODES = ("fold", "fold_frozen", "decompose", "executorch")
+BATCH_NORM_MODES = ("fold", "fold_device", "fold_frozen", "decompose", "executorch")
 
 # How aten.sigmoid is lowered:
 #   "tanh"       passes.sigmoid: 0.5 * tanh(0.5 * x) + 0.5 (at torch fp16's accuracy

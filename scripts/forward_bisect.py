@@ -1,14 +1,15 @@
 """Forward precision of a torchvision model's blocks on the HTP simulator, block by block.
 
 Each block of ``net.features`` (EfficientNet's stages expanded into their MBConv
-blocks; ShuffleNetV2's ``conv1``, ``maxpool`` and the blocks of its stages) and
-the head, fed the fp32 input it gets in the whole net (``tests/zoo.calibrated``:
-random weights, batch-norm statistics from random batches), is exported alone
-as an inference program, lowered with ``qnn_convbwd.lower`` and run. One
-markdown row per block: relative L2 of the HTP's output and of torch fp16's
-(the block in float16 on CPU) against fp32, their ratio, and the HTP error's
-systematic parts: the least-squares gain ``<htp, ref> / <ref, ref> - 1`` and
-the mean error over the rms error.
+blocks; ShuffleNetV2's ``conv1``, ``maxpool`` and the blocks of its stages;
+ResNet's stem, ``maxpool`` and its residual blocks) and the head, fed the fp32
+input it gets in the whole net (``tests/zoo.calibrated``: random weights,
+batch-norm statistics from random batches), is exported alone as an inference
+program, lowered with ``qnn_convbwd.lower`` and run. One markdown row per
+block: relative L2 of the HTP's output and of torch fp16's (the block in
+float16 on CPU) against fp32, their ratio, and the HTP error's systematic parts:
+the least-squares gain ``<htp, ref> / <ref, ref> - 1`` and the mean error over
+the rms error.
 
     PYTHONPATH=. python scripts/forward_bisect.py efficientnet_b0 [--size 32] [--soc SM8650]
         [--blocks 3 4] [--prefix] [--set OPTION=VALUE ...]
@@ -39,28 +40,43 @@ from qnn_convbwd.tools import fidelity, reference_kernels  # noqa: E402
 class Head(torch.nn.Module):
     """The classifier after the feature extractor, as the net's own ``forward`` runs it.
 
-    EfficientNet / MobileNet: pool, flatten, classifier; SqueezeNet: classifier
-    (its pool is in it), flatten; ShuffleNetV2: ``conv5``, spatial mean, ``fc``.
+    EfficientNet / MobileNetV3: pool, flatten, classifier; ResNet: pool, flatten,
+    ``fc``; MobileNetV2 (no pool module): a global mean, then the classifier;
+    SqueezeNet: classifier (its pool is in it), flatten; ShuffleNetV2:
+    ``conv5``, spatial mean, ``fc``.
     """
 
     def __init__(self, net: torch.nn.Module) -> None:
         super().__init__()
         self.avgpool = getattr(net, "avgpool", None)
         self.conv5 = getattr(net, "conv5", None)
-        self.classifier = net.fc if self.conv5 is not None else net.classifier
+        self.classifier = net.fc if hasattr(net, "fc") else net.classifier
+        self.convolutional = any(isinstance(m, torch.nn.Conv2d) for m in self.classifier.modules())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.conv5 is not None:  # ShuffleNetV2
             return self.classifier(self.conv5(x).mean([2, 3]))
-        if self.avgpool is None:  # SqueezeNet
+        if self.convolutional:  # SqueezeNet
             return torch.flatten(self.classifier(x), 1)
-        return self.classifier(torch.flatten(self.avgpool(x), 1))
+        if self.avgpool is None:  # MobileNetV2
+            x = torch.nn.functional.adaptive_avg_pool2d(x, (1, 1))
+        else:
+            x = self.avgpool(x)
+        return self.classifier(torch.flatten(x, 1))
 
 
 def _trunk(net: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, stage) of the feature extractor: ``features``' children, or ShuffleNet's parts."""
+    """(name, stage) of the feature extractor: ``features``' children, or a net's parts.
+
+    ResNet: ``stem`` (``conv1``, ``bn1``, ``relu`` as one unit), ``maxpool``, ``layer1``-``layer4``;
+    ShuffleNetV2: ``conv1``, ``maxpool``, ``stage2``-``stage4``.
+    """
     if hasattr(net, "features"):
         return [(f"features.{n}", c) for n, c in net.features.named_children()]
+    if hasattr(net, "layer4"):  # ResNet
+        stem = torch.nn.Sequential(net.conv1, net.bn1, net.relu)
+        layers = [(f"layer{k}", getattr(net, f"layer{k}")) for k in range(1, 5)]
+        return [("stem", stem), ("maxpool", net.maxpool), *layers]
     return [(n, getattr(net, n)) for n in ("conv1", "maxpool", "stage2", "stage3", "stage4")]
 
 

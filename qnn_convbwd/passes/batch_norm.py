@@ -238,7 +238,7 @@ class StableBatchNorm(OptionGatedPass):
     fold_weight = True
 
     def enabled(self, options) -> bool:
-        return options.batch_norm in ("fold", "fold_frozen", "decompose")
+        return options.batch_norm in ("fold", "fold_device", "fold_frozen", "decompose")
 
     def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
         changed = decompose_batch_norm(graph_module, self.edge_program, self.fold_weight)

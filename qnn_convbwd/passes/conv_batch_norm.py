@@ -23,9 +23,11 @@ multiplication. A pair whose backward does not have that form is left to
 ``passes.batch_norm``, one log line saying why, so no weight is stored twice.
 
 When the convolution's weight trains (full or last-layers fine-tuning) the fold
-is done on the device (``_fold_trained``, ``batch_norm="fold"``): ``W * s`` and
-the bias are graph ops on the parameters, and the backward is rewritten to
-match (docs/numerics.md).
+is done on the device (``_fold_trained``): ``W * s`` and the bias are graph ops
+on the parameters, and the backward is rewritten to match. With
+``batch_norm="fold"`` only where that does less element-wise work a step than
+the batch norm (``_fold_saves_work``: not in the deep, weight-heavy layers),
+with ``"fold_device"`` for every such pair (docs/numerics.md).
 """
 
 from __future__ import annotations
@@ -63,6 +65,11 @@ _SCALE_OPS = (
     "aten.unsqueeze_copy.default",
     "aten.view_copy.default",
 )
+
+
+# Which trained pairs each batch_norm mode folds on the device (fold_batch_norms).
+FOLD_TRAINED = ("always", "cheaper", "never")
+FOLD_TRAINED_BY_MODE = {"fold": "cheaper", "fold_device": "always", "fold_frozen": "never"}
 
 
 def _name(node: torch.fx.Node) -> str:
@@ -142,13 +149,37 @@ def _scaled_gradient(
     return None
 
 
+def _fold_saves_work(conv: torch.fx.Node, weight: torch.fx.Node, gamma, trained: set[str]) -> None:
+    """Raise _Kept unless folding a trained pair on the device does less element-wise work.
+
+    The device fold adds weight-sized ops each step (``W * s``, ``dW' * s``; with a
+    trained gamma ``dW' * W`` and its sum) and removes activation-sized ones (the
+    forward's ``- mean``, ``* scale``, ``+ beta``, the backward's ``g * s``; with a
+    trained gamma ``conv - mean``, its product with ``g`` and the sum). Where the
+    weight outnumbers the activation (deep layers at small spatial sizes: resnet18's
+    3x3 convolutions at 32 px hold 9-4608x their output) the element-wise form is the
+    cheaper one, and on resnet18 the more accurate (docs/numerics.md).
+    """
+    gamma_trains = isinstance(gamma, torch.fx.Node) and gamma.name in trained
+    weight_elements = weight.meta["val"].numel()
+    activation_elements = conv.meta["val"].numel()
+    added = weight_elements * (4 if gamma_trains else 2)
+    removed = activation_elements * (7 if gamma_trains else 4)
+    if added >= removed:
+        raise _Kept(
+            f"the convolution weight {weight.name} trains and folding it on the device "
+            f"adds {added} weight-sized element operations a step for {removed} "
+            f"activation-sized ones"
+        )
+
+
 def _fold_one(
     graph_module: torch.fx.GraphModule,
     bn: torch.fx.Node,
     edge_program,
     trained: set[str],
     statics: _Statics,
-    fold_trained: bool = True,
+    fold_trained: str = "always",
 ) -> bool:
     ops = integration.get("ops").edge.aten
     conv, gamma, beta, mean, var = bn.args[:5]
@@ -166,9 +197,11 @@ def _fold_one(
     if conv.args[6]:
         return keep(f"{conv.name} is a transposed convolution")
     if isinstance(weight, torch.fx.Node) and weight.name in trained:
-        if not fold_trained:
+        if fold_trained == "never":
             return keep(f"the convolution weight {weight.name} trains")
         try:
+            if fold_trained == "cheaper":
+                _fold_saves_work(conv, weight, gamma, trained)
             return _fold_trained(graph_module, bn, edge_program, trained, statics)
         except _Kept as kept:
             return keep(str(kept))
@@ -481,12 +514,16 @@ class _Kept(Exception):
 
 
 def fold_batch_norms(
-    graph_module: torch.fx.GraphModule, edge_program, fold_trained: bool = True
+    graph_module: torch.fx.GraphModule, edge_program, fold_trained: str = "always"
 ) -> int:
     """Fold each eval-mode batch norm after a convolution into it; returns how many.
 
-    ``fold_trained`` also folds pairs whose convolution weight trains (``_fold_trained``).
+    ``fold_trained`` says which pairs whose convolution weight trains are folded on
+    the device (``_fold_trained``): ``"always"``, ``"cheaper"`` (where that does less
+    element-wise work, ``_fold_saves_work``) or ``"never"``.
     """
+    if fold_trained not in FOLD_TRAINED:
+        raise ValueError(f"fold_trained={fold_trained!r}: one of {FOLD_TRAINED}")
     if edge_program is None:
         return 0
     trained = _trained_parameters(edge_program)
@@ -498,16 +535,16 @@ def fold_batch_norms(
 
 
 class FoldConvolutionBatchNorm(OptionGatedPass):
-    """to_edge transform pass running ``fold_batch_norms`` (``batch_norm="fold"`` or
-    ``"fold_frozen"``)."""
+    """to_edge transform pass running ``fold_batch_norms`` (``batch_norm="fold"``,
+    ``"fold_device"`` or ``"fold_frozen"``)."""
 
     def enabled(self, options) -> bool:
-        return options.batch_norm in ("fold", "fold_frozen")
+        return options.batch_norm in FOLD_TRAINED_BY_MODE
 
     def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
         from .. import options
 
-        fold_trained = options.current.batch_norm == "fold"
+        fold_trained = FOLD_TRAINED_BY_MODE[options.current.batch_norm]
         changed = fold_batch_norms(graph_module, self.edge_program, fold_trained)
         if changed:
             # Arithmetic on running statistics alone (the backward's scales of the

@@ -47,10 +47,14 @@ INPUT_GRADIENT_FORMULATIONS = ("runtime_weight", "transpose_conv")
 #                than the batch norm it replaces (weight-sized ops for
 #                activation-sized ones: the early, wide-spatial layers), else kept as
 #                "decompose" (resnet18 fully trained at 32 px: within fidelity and a
-#                step ~20x cheaper on the simulator than "fold_device"; docs/numerics.md);
-#                the others as "decompose";
+#                step ~20x cheaper on the simulator than "fold_device"; docs/numerics.md).
+#                The batch norms not after a convolution as "decompose";
 #   "fold_device" as "fold", every pair of a trained convolution folded on the device;
 #   "fold_frozen" only the pairs of a frozen convolution are folded;
+#   "decompose"  passes.batch_norm: (x - mean) * scale + b with the node's epsilon;
+#   "executorch" executorch's QNN Batchnorm visitor, whose epsilon is hard-coded
+#                to 1e-9 (wrong for channels with a small running variance;
+#                docs/numerics.md).
 BATCH_NORM_MODES = ("fold", "fold_device", "fold_frozen", "decompose", "executorch")
 
 # How aten.sigmoid is lowered:

@@ -26,6 +26,7 @@ from .passes.conv_batch_norm import FoldConvolutionBatchNorm
 from .passes.distribute_mul import DistributeMul
 from .passes.hardswish import CentredHardActivations
 from .passes.loss_scale import ScaleLoss
+from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
 
@@ -128,12 +129,14 @@ def _hooks() -> integration.Hooks:
     hooks.transform_pass = CanonicalizeConvolutionBackward
     # CentredHardActivations before DistributeMul: a gate a * (clamp(..) + 1/2) is distributed.
     # FoldConvolutionBatchNorm before StableBatchNorm: the pairs it cannot fold are decomposed.
+    # PairedScalars after both: they write x * (1/6) and a * k.
     hooks.extra_transform_passes = (
         FoldConvolutionBatchNorm,
         StableBatchNorm,
         StableSigmoid,
         CentredHardActivations,
         DistributeMul,
+        PairedScalars,
         ScaleLoss,
     )
     hooks.late_transform_passes = (MergeConstantReads,)

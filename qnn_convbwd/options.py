@@ -79,6 +79,15 @@ MUL_OVER_ADD_MODES = ("distribute", "keep")
 #   "executorch" as the graph has it (the decomposition, or QNN's ops).
 HARDSWISH_MODES = ("centred", "executorch")
 
+# How a multiplication or division by a one-element constant fp16 cannot hold
+# exactly (x * (1/6), x / 3) is lowered:
+#   "paired"     passes.scalar_constants: (x * a) * b with fp16 factors whose product
+#                is the constant to ~1e-6 (one fp16 constant is up to 4.9e-4 off on
+#                every element: a gain that accumulates through a network, not noise;
+#                MobileNetV3's hardswish, docs/numerics.md);
+#   "keep"       as the graph has it.
+SCALAR_CONSTANT_MODES = ("paired", "keep")
+
 
 # QAIRT's graph finalize optimization level for the HTP graphs compiled (the HTP
 # shim replaces executorch's hard-coded 3, htp_shim.c): a lower level finalises a
@@ -98,6 +107,7 @@ class Options:
     sigmoid: str = "tanh"
     mul_over_add: str = "distribute"
     hardswish: str = "centred"
+    scalar_constants: str = "paired"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
     # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
     # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
@@ -114,6 +124,7 @@ class Options:
             ("sigmoid", SIGMOID_MODES),
             ("mul_over_add", MUL_OVER_ADD_MODES),
             ("hardswish", HARDSWISH_MODES),
+            ("scalar_constants", SCALAR_CONSTANT_MODES),
         ):
             value = getattr(self, field)
             if value not in choices:

@@ -8,7 +8,7 @@ judged per tensor with ``qnn_convbwd.tools.fidelity``: whether a gradient's erro
 is made in the tail or comes with the forward error of the blocks before it.
 
     PYTHONPATH=. python scripts/tail_fidelity.py shufflenet_v2_x0_5 14 [--scheme bias_only]
-        [--soc SM8650] [--neighbours K] [--set OPTION=VALUE ...]
+        [--soc SM8650] [--size 32] [--neighbours K] [--set OPTION=VALUE ...]
 
 ``--neighbours K`` judges over the activation and K - 1 copies moved by one fp16
 rounding (``fidelity.neighbours``; rms table, median verdict, the input's own).
@@ -58,12 +58,13 @@ def main() -> int:
     parser.add_argument("start", type=int, help="index into forward_bisect.blocks")
     parser.add_argument("--scheme", default="bias_only", choices=zoo.SCHEMES[:3])
     parser.add_argument("--soc", default="SM8650")
+    parser.add_argument("--size", type=int, default=32, help="the zoo graph's input size, px")
     parser.add_argument("--neighbours", type=int, default=1, metavar="K")
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="OPTION=VALUE", help="qnn_convbwd options"
     )
     args = parser.parse_args()
-    graph = tail_graph(args.arch, args.start, args.scheme)
+    graph = tail_graph(args.arch, args.start, args.scheme, args.size)
     with qnn_convbwd.enabled(**parse_options(args.set)):
         compiled = harness.lower_program(graph.program, args.soc)
         reports = zoo.reports(graph, compiled, args.neighbours, around=True)

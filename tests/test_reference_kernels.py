@@ -11,6 +11,7 @@ the lowering leaves behind is one torch flag, set here by hand.
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 
 import pytest
@@ -123,3 +124,48 @@ def test_executorch_turns_onednn_off_for_the_process_on_an_amd_host():
         assert not torch.backends.mkldnn.enabled
     finally:
         torch.backends.mkldnn.enabled = before
+
+
+def _native_fp16_host() -> bool:
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = cpuinfo.read_text() if cpuinfo.is_file() else ""
+    return "avx512_fp16" in flags or "amx_fp16" in flags
+
+
+def _fp16_step(graph: nm.Graph, onednn: bool) -> list[torch.Tensor]:
+    with torch.backends.mkldnn.flags(enabled=onednn):
+        return fidelity.fp16_reference(graph.model, graph.inputs, graph.program, 2.0**12)
+
+
+def test_the_fp16_floor_uses_torchs_own_kernels_whatever_the_caller_set():
+    """The floor is computed without oneDNN, so a host's fp16 instructions cannot change it."""
+    graph = nm.small_loss_graph(1e-5)
+    for onednn in (True, False):
+        before = torch.backends.mkldnn.enabled
+        got = _fp16_step(graph, onednn)
+        assert torch.backends.mkldnn.enabled is before  # the caller's setting restored
+        half = copy.deepcopy(graph.model).half()
+        with torch.backends.mkldnn.flags(enabled=False):
+            loss = half(*(t.half() for t in graph.inputs))
+            loss.backward(torch.full_like(loss, 2.0**12))
+        grads = {n: p.grad.float() / 2.0**12 for n, p in half.named_parameters()}
+        names = fidelity.output_names(graph.program)
+        assert torch.equal(got[0], loss.detach().float())
+        for name, tensor in zip(names[1:], got[1:]):
+            assert torch.equal(tensor, grads[name]), name
+
+
+@pytest.mark.skipif(
+    not _native_fp16_host(), reason="a host without AVX512-FP16 / AMX-FP16: one fp16 path"
+)
+def test_onednn_fp16_kernels_give_another_floor_on_a_native_fp16_host():
+    """Why the floor is pinned: oneDNN's fp16 step differs on such a host (measured:
+    the small-loss graph's adapter.bias floor 5.5e-4 against 7.3e-4 without oneDNN)."""
+    graph = nm.small_loss_graph(1e-5)
+    half = copy.deepcopy(graph.model).half()
+    with torch.backends.mkldnn.flags(enabled=True):
+        loss = half(*(t.half() for t in graph.inputs))
+        loss.backward(torch.full_like(loss, 2.0**12))
+    onednn = {n: p.grad.float() / 2.0**12 for n, p in half.named_parameters()}
+    pinned = dict(zip(fidelity.output_names(graph.program), _fp16_step(graph, True)))
+    assert any(not torch.equal(onednn[n], pinned[n]) for n in onednn)

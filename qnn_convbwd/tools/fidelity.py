@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .reference_kernels import pinned
+from .reference_kernels import FP16_ONEDNN, pinned
 
 REL_L2_FACTOR = 2.0
 UNIT_ROUNDOFF = 2.0**-11  # fp16
@@ -266,7 +266,8 @@ def fp16_reference(
     program's output order, like ``models.autograd_reference``. ``loss_scale``
     seeds the backward with that value and divides the gradients by it in fp32
     (what ``options.loss_scale`` does on the HTP). Torch's CPU kernels are pinned
-    (``reference_kernels.pinned``), as in ``models.autograd_reference``.
+    to its own, without oneDNN (``reference_kernels.FP16_ONEDNN``): the floor is then
+    the same on every host.
     """
     half = copy.deepcopy(model).half()
     half_inputs = tuple(
@@ -274,7 +275,7 @@ def fp16_reference(
         for t in inputs
     )
     half.zero_grad(set_to_none=True)
-    with pinned():
+    with pinned(FP16_ONEDNN):
         loss = half(*half_inputs)
         loss.backward(torch.full_like(loss, loss_scale))
     params = dict(half.named_parameters())

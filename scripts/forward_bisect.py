@@ -111,7 +111,7 @@ def measure(module: torch.nn.Module, x: torch.Tensor, soc: str) -> dict[str, flo
     module = module.eval()
     with torch.no_grad(), reference_kernels.pinned():  # a lowering above turned oneDNN off
         ref = module(x)
-    with torch.no_grad(), reference_kernels.pinned(reference_kernels.FP16_ONEDNN):
+    with torch.no_grad(), reference_kernels.fp16_kernels():
         half = copy.deepcopy(module).half()(x.half()).float()
     program = torch.export.export(module, (x,), strict=True)
     compiled = harness.lower_program(program, soc)

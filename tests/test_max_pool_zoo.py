@@ -42,7 +42,7 @@ def _gradients(graph: models.TrainingGraph, outputs) -> dict[str, torch.Tensor]:
 def _torch_fp16_gradients(graph: models.TrainingGraph) -> dict[str, torch.Tensor]:
     model = copy.deepcopy(graph.model).half()
     model.zero_grad(set_to_none=True)
-    with reference_kernels.pinned(reference_kernels.FP16_ONEDNN):  # as fidelity.fp16_reference
+    with reference_kernels.fp16_kernels():  # as fidelity.fp16_reference
         model(*(t.half() for t in graph.inputs)).backward()
     return {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -137,20 +137,32 @@ def _fp16_step(graph: nm.Graph, onednn: bool) -> list[torch.Tensor]:
         return fidelity.fp16_reference(graph.model, graph.inputs, graph.program, 2.0**12)
 
 
+def _fp16_step_by_hand(graph: nm.Graph, onednn: bool) -> tuple[torch.Tensor, dict]:
+    """(loss, gradients by name) of a float16 copy, seeded with 2**12, oneDNN as given,
+    on one thread."""
+    half = copy.deepcopy(graph.model).half()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.backends.mkldnn.flags(enabled=onednn):
+            loss = half(*(t.half() for t in graph.inputs))
+            loss.backward(torch.full_like(loss, 2.0**12))
+    finally:
+        torch.set_num_threads(threads)
+    return loss.detach().float(), {n: p.grad.float() / 2.0**12 for n, p in half.named_parameters()}
+
+
 def test_the_fp16_floor_uses_torchs_own_kernels_whatever_the_caller_set():
     """The floor is computed without oneDNN, so a host's fp16 instructions cannot change it."""
     graph = nm.small_loss_graph(1e-5)
     for onednn in (True, False):
-        before = torch.backends.mkldnn.enabled
+        before, threads = torch.backends.mkldnn.enabled, torch.get_num_threads()
         got = _fp16_step(graph, onednn)
-        assert torch.backends.mkldnn.enabled is before  # the caller's setting restored
-        half = copy.deepcopy(graph.model).half()
-        with torch.backends.mkldnn.flags(enabled=False):
-            loss = half(*(t.half() for t in graph.inputs))
-            loss.backward(torch.full_like(loss, 2.0**12))
-        grads = {n: p.grad.float() / 2.0**12 for n, p in half.named_parameters()}
+        assert torch.backends.mkldnn.enabled is before  # the caller's settings restored
+        assert torch.get_num_threads() == threads
+        loss, grads = _fp16_step_by_hand(graph, onednn=False)
         names = fidelity.output_names(graph.program)
-        assert torch.equal(got[0], loss.detach().float())
+        assert torch.equal(got[0], loss)
         for name, tensor in zip(names[1:], got[1:]):
             assert torch.equal(tensor, grads[name]), name
 
@@ -162,10 +174,6 @@ def test_onednn_fp16_kernels_give_another_floor_on_a_native_fp16_host():
     """Why the floor is pinned: oneDNN's fp16 step differs on such a host (measured:
     the small-loss graph's adapter.bias floor 5.5e-4 against 7.3e-4 without oneDNN)."""
     graph = nm.small_loss_graph(1e-5)
-    half = copy.deepcopy(graph.model).half()
-    with torch.backends.mkldnn.flags(enabled=True):
-        loss = half(*(t.half() for t in graph.inputs))
-        loss.backward(torch.full_like(loss, 2.0**12))
-    onednn = {n: p.grad.float() / 2.0**12 for n, p in half.named_parameters()}
+    _, onednn = _fp16_step_by_hand(graph, onednn=True)
     pinned = dict(zip(fidelity.output_names(graph.program), _fp16_step(graph, True)))
     assert any(not torch.equal(onednn[n], pinned[n]) for n in onednn)

@@ -48,7 +48,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .reference_kernels import FP16_ONEDNN, pinned
+from .reference_kernels import fp16_kernels
 
 REL_L2_FACTOR = 2.0
 UNIT_ROUNDOFF = 2.0**-11  # fp16
@@ -265,9 +265,9 @@ def fp16_reference(
     batch-norm statistics and other buffers); the outputs are in the joint
     program's output order, like ``models.autograd_reference``. ``loss_scale``
     seeds the backward with that value and divides the gradients by it in fp32
-    (what ``options.loss_scale`` does on the HTP). Torch's CPU kernels are pinned
-    to its own, without oneDNN (``reference_kernels.FP16_ONEDNN``): the floor is then
-    the same on every host.
+    (what ``options.loss_scale`` does on the HTP). Torch's own CPU kernels, without
+    oneDNN and on one thread (``reference_kernels.fp16_kernels``): the floor is then
+    the same on every host and every run.
     """
     half = copy.deepcopy(model).half()
     half_inputs = tuple(
@@ -275,7 +275,7 @@ def fp16_reference(
         for t in inputs
     )
     half.zero_grad(set_to_none=True)
-    with pinned(FP16_ONEDNN):
+    with fp16_kernels():
         loss = half(*half_inputs)
         loss.backward(torch.full_like(loss, loss_scale))
     params = dict(half.named_parameters())

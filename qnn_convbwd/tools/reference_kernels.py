@@ -24,7 +24,9 @@ oneDNN's fp16 kernels, which round otherwise than torch's own (fp32
 accumulation, one rounding per op), so the floor depended on the host: the
 small-loss graph's ``adapter.bias`` floor was 5.5e-4 on such a host and 7.3e-4
 on one without (or with ``ONEDNN_MAX_CPU_ISA=AVX2``, or oneDNN off). Torch's own
-kernels give the second on every x86-64 host.
+kernels give the second on every x86-64 host. They run on one thread
+(``fp16_kernels()``): with two, the same step on the same host differed from
+run to run in the last bit of some gradients.
 """
 
 from __future__ import annotations
@@ -50,3 +52,17 @@ def pinned(onednn: bool | None = None) -> Iterator[None]:
         enabled=enabled, deterministic=None, allow_tf32=None, fp32_precision=None
     ):
         yield
+
+
+@contextlib.contextmanager
+def fp16_kernels() -> Iterator[None]:
+    """Torch's own float16 kernels on one thread inside the block (``FP16_ONEDNN``): the
+    judge's fp16 step, the same on every host and every run; the caller's oneDNN
+    setting and thread count are restored after it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with pinned(FP16_ONEDNN):
+            yield
+    finally:
+        torch.set_num_threads(threads)

@@ -176,14 +176,9 @@ def _fp16_step_by_hand(graph: nm.Graph, onednn: bool) -> tuple[torch.Tensor, dic
     """(loss, gradients by name) of a float16 copy, seeded with 2**12, oneDNN as given,
     on one thread."""
     half = copy.deepcopy(graph.model).half()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with torch.backends.mkldnn.flags(enabled=onednn):
-            loss = half(*(t.half() for t in graph.inputs))
-            loss.backward(torch.full_like(loss, 2.0**12))
-    finally:
-        torch.set_num_threads(threads)
+    with _threads(1), torch.backends.mkldnn.flags(enabled=onednn):
+        loss = half(*(t.half() for t in graph.inputs))
+        loss.backward(torch.full_like(loss, 2.0**12))
     return loss.detach().float(), {n: p.grad.float() / 2.0**12 for n, p in half.named_parameters()}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import operator
 import os
@@ -17,7 +18,7 @@ from . import delegate_io, integration, logs, nodes, options, signature
 from .geometry import conv as geo
 from .meta import INDICES_ON_HTP
 from .nodes import origins
-from .partition import cpu_kernel, judge, max_pool
+from .partition import cpu_kernel, judge, max_pool, split
 from .partition.target import Target
 from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
 from .passes.batch_norm import StableBatchNorm
@@ -58,8 +59,9 @@ def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
     )
 
 
-def _after_partition(edge_program) -> None:
-    """After partitioning: trainable parameters stay top-level tensors, and int64
+def _after_partition(edge_program, partition_tags: dict) -> None:
+    """After partitioning: delegates larger than ``max_delegate_ops`` are split
+    (``partition.split``), trainable parameters stay top-level tensors, and int64
     constants kept on CPU keep their stored dtype (``passes.int64_constants``); the
     HTP shim is told the ``htp_optimization`` level before executorch's preprocess
     creates the QNN graphs.
@@ -72,6 +74,8 @@ def _after_partition(edge_program) -> None:
     from .toolchain.sdk import request_htp_optimization
 
     request_htp_optimization(options.current.htp_optimization)
+    if options.current.max_delegate_ops is not None:
+        split.split(edge_program, partition_tags, options.current.max_delegate_ops)
     quant_key = integration.get("QCOM_QUANT_ATTRS")
     for node in signature.trainable_placeholders(edge_program):
         if "delegation_tag" not in node.meta:
@@ -150,7 +154,11 @@ def _hooks() -> integration.Hooks:
         (op_max_pool_with_indices.CAST_TARGET, op_max_pool_with_indices.define_indices_cast),
     )
     hooks.after_partition = _after_partition
-    hooks.after_build = delegate_io.check_output_order
+    hooks.after_build = functools.partial(
+        delegate_io.bind_outputs_in_order,
+        output_names=integration.qnn_output_names,
+        tensor_names=integration.qnn_tensor_names,
+    )
     return hooks
 
 

@@ -300,11 +300,12 @@ class Hooks:
     conv_define: Callable[[Callable[[], Any], Any, Any, Any], Any] | None = None
     # The same for other executorch visitors, by target (e.g. the forward max pool).
     visitor_wraps: tuple[tuple[str, Callable[[Callable[[], Any], Any, Any, Any], Any]], ...] = ()
-    # Called after QnnPartitioner.partition has tagged the program (edge_program).
-    after_partition: Callable[[Any], None] | None = None
-    # Called with (edge_program, graph output names in QNN's order) after executorch
-    # built a delegate's QNN ops, before they are compiled.
-    after_build: Callable[[Any, list[str]], None] | None = None
+    # Called after QnnPartitioner.partition has tagged the program: (edge_program,
+    # partition_tags), the tags' dict of the PartitionResult (which it may extend).
+    after_partition: Callable[[Any, dict[str, Any]], None] | None = None
+    # Called with (edge_program, op wrappers) after executorch built a delegate's QNN
+    # ops, before they are compiled; returns the op wrappers to compile (reordered).
+    after_build: Callable[[Any, list], list] | None = None
 
 
 # executorch's visitor of the forward convolution, wrapped when conv_define is set.
@@ -438,7 +439,7 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
         def partition(self, edge_program):
             result = orig_partition(self, edge_program)
-            hooks.after_partition(result.tagged_exported_program)
+            hooks.after_partition(result.tagged_exported_program, result.partition_tags)
             return result
 
         p.set_attr(partitioner_cls, "partition", partition)
@@ -450,7 +451,7 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
         def build(edge_program, *args, **kwargs):
             wrappers = orig_build(edge_program, *args, **kwargs)
             if isinstance(wrappers, list):
-                hooks.after_build(edge_program, qnn_output_names(wrappers))
+                wrappers = hooks.after_build(edge_program, wrappers)
             return wrappers
 
         p.set_attr(backend, "_build_op_wrappers", staticmethod(build))
@@ -554,6 +555,15 @@ def _tensor_info(tensor: Any) -> QnnTensorInfo:
     for d in dims:
         count *= d
     return QnnTensorInfo(str(v2.name), v2.type.name, dims, count * width)
+
+
+def qnn_tensor_names(wrapper: Any) -> tuple[list[str], list[str]]:
+    """An op wrapper's (input tensor names, output tensor names)."""
+    config = wrapper.GetOpWrapper().GetOpConfig()
+    return (
+        [_tensor_info(t).name for t in config["inputTensors"]],
+        [_tensor_info(t).name for t in config["outputTensors"]],
+    )
 
 
 def qnn_output_names(wrappers: list) -> list[str]:

@@ -114,6 +114,11 @@ class Options:
     # default: larger scales overflow fp16 in some backwards (docs/numerics.md).
     loss_scale: float = 1.0
     htp_optimization: int = 3
+    # Split each delegate of more than this many ops into pieces of at most this many
+    # (partition.split; cut only where float tensors alone cross). None: one delegate
+    # per partition, as executorch makes them. A smaller graph finalises much faster
+    # in QAIRT (docs/zoo.md); each cut adds delegate inputs and outputs.
+    max_delegate_ops: int | None = None
 
     def __post_init__(self) -> None:
         for field, choices in (
@@ -137,6 +142,13 @@ class Options:
             raise ValueError(
                 f"qnn_convbwd option htp_optimization={self.htp_optimization!r} is not one of "
                 f"{', '.join(map(str, HTP_OPTIMIZATION_LEVELS))}"
+            )
+        if self.max_delegate_ops is not None and (
+            type(self.max_delegate_ops) is not int or self.max_delegate_ops < 1
+        ):
+            raise ValueError(
+                f"qnn_convbwd option max_delegate_ops={self.max_delegate_ops!r} must be None "
+                "or a positive int"
             )
         if isinstance(self.loss_scale, int) and not isinstance(self.loss_scale, bool):
             object.__setattr__(self, "loss_scale", float(self.loss_scale))  # 256 as 256.0

@@ -72,7 +72,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (
         f"{_QC}.partition.qnn_partitioner",
         "QnnPartitioner.partition",
-        "patched: trainable parameters stay top-level (untagged)",
+        "patched: large delegates split; trainable parameters stay top-level (untagged)",
     ),
     (
         f"{_QC}.partition.qnn_partitioner",
@@ -116,7 +116,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (
         f"{_QC}.qnn_preprocess",
         "QnnBackend._build_op_wrappers",
-        "patched: delegate output order checked; observed by capture_qnn_graphs",
+        "patched: delegate outputs built in signature order; observed by capture_qnn_graphs",
     ),
     (f"{_QC}.python.PyQnnManagerAdaptor", "PyQnnOpWrapper", "builds QNN ops"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_TensorType_t", "QNN tensor types"),

@@ -191,6 +191,15 @@ def graph(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 1
 
     from qnn_convbwd.tools import models
 
+    model, inputs = step(arch, scheme, size, classes, seed)
+    joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
+    return models.TrainingGraph(f"{arch}/{scheme}", model, inputs, joint)
+
+
+def step(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 10, seed: int = 0):
+    """``graph``'s model (returning the loss) and input, not exported: for eager probes."""
+    from qnn_convbwd.tools import models
+
     net = calibrated(arch, size, classes, seed)
     train = set(trainable(net, scheme))
     for name, parameter in net.named_parameters():
@@ -199,9 +208,7 @@ def graph(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 1
     if scheme == "adapter":
         adapter = models.identity_adapter(3, torch.Generator().manual_seed(seed))
     model = Finetune(net, adapter)
-    inputs = (torch.randn(1, 3, size, size), torch.randn(1, classes))
-    joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
-    return models.TrainingGraph(f"{arch}/{scheme}", model, inputs, joint)
+    return model, (torch.randn(1, 3, size, size), torch.randn(1, classes))
 
 
 def bias_only(arch: str, size: int = 32, classes: int = 10, seed: int = 0):

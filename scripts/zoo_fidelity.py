@@ -29,6 +29,12 @@ the "within" column then also says on how many inputs alone the step is within.
 at most one fp16 rounding (``fidelity.neighbours``): the same step as far as
 fp16 can tell, so the pooled floor is torch fp16's typical error on it rather
 than one draw (docs/numerics.md). The input's own verdict is printed beside.
+
+``--why`` explains every tensor outside the bound, after the table: torch's
+fp32 and fp16 step on the graph's input (``tools.kinks``, CPU) finds the gate
+elements next to a kink, and a tensor is explained when one such element,
+flipped alone, moves its gradient past the judge's limit on it
+(``kinks.explain``); otherwise the largest flip that reaches it is named.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ import zoo  # noqa: E402
 
 import qnn_convbwd  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import fidelity  # noqa: E402
+from qnn_convbwd.tools import fidelity, kinks  # noqa: E402
 from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
 
 
@@ -59,7 +65,8 @@ def measure(
     spread: int = 0,
     neighbours: int = 0,
     dump: str | None = None,
-) -> tuple[str, fidelity.Report]:
+) -> tuple[str, fidelity.Report, list[tuple[str, fidelity.Report]]]:
+    """The graph's markdown row, its report, and each judge's report (label, report)."""
     start = time.perf_counter()
     graph = zoo.graph(arch, scheme, size)
     export_s = time.perf_counter() - start
@@ -78,12 +85,14 @@ def measure(
         path = Path(dump.format(arch=arch, scheme=scheme, size=size, soc=soc))
         path.write_text(json.dumps(draws))
     report = fidelity.pooled(reports) if len(reports) > 1 else reports[0]
+    judges = [("pooled" if len(reports) > 1 else "the input", report)]
     within = "yes" if report.within else "no"
     offending = "; ".join(report.offending) or "-"
     alone = sum(r.within for r in reports)
     if neighbours:
         first = reports[0]
         median = fidelity.pooled(reports, how="median")
+        judges += [("medians", median), ("the input alone", first)]
         own = "yes" if first.within else f"no, {len(first.offending)} outside"
         typical = "yes" if median.within else f"no, {len(median.offending)} outside"
         within += (
@@ -114,7 +123,28 @@ def measure(
         row += (
             f" {len(ill)} ({len([n for n in outside if n in ill])} of the {len(outside)} outside) |"
         )
-    return row, report
+    return row, report, judges
+
+
+def why(arch: str, scheme: str, size: int, judges: list[tuple[str, fidelity.Report]]) -> list[str]:
+    """Markdown lines: each judge's tensors outside the bound and the kink flips behind them."""
+    outside = [(label, report) for label, report in judges if not report.within]
+    if not outside:
+        return []
+    model, inputs = zoo.step(arch, scheme, size)
+    summaries, flips = kinks.find(model, inputs, top=None)
+    lines = [
+        f"**{arch} {scheme} {size} px**: {sum(s.near for s in summaries)} gate elements near a "
+        f"kink, {sum(s.flipped_fp16 for s in summaries)} flipped by torch fp16, {len(flips)} "
+        "flips computed (on the graph's input)",
+        "",
+    ]
+    for label, report in outside:
+        causes = kinks.explain(report, flips)
+        explained = sum(c.explained for c in causes)
+        lines.append(f"* {label}: {explained} of {len(causes)} outside explained by one flip")
+        lines += [f"  * {c.describe()}" for c in causes]
+    return [*lines, ""]
 
 
 def measure_cpu(arch: str, scheme: str, size: int) -> tuple[str, bool]:
@@ -181,6 +211,11 @@ def main() -> int:
         help="also count the ill-conditioned tensors (fidelity.input_spread, DRAWS draws)",
     )
     parser.add_argument(
+        "--why",
+        action="store_true",
+        help="after the table, the gate flips (tools.kinks) behind every tensor outside",
+    )
+    parser.add_argument(
         "--cpu", action="store_true", help="check the all-CPU programs against fp32 torch instead"
     )
     parser.add_argument(
@@ -224,9 +259,10 @@ def sweep(args: argparse.Namespace) -> int:
         f"| outputs | within | offending | worst rel L2 | export + lower + run s |{extra}\n"
         "|" + "---|" * 12 + ("---|" if extra else "")
     )
+    causes: list[str] = []
     for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
         try:
-            row, report = measure(
+            row, report, judges = measure(
                 arch, scheme, soc, size, args.inputs, args.spread, args.neighbours, args.dump
             )
         except Exception as err:  # one graph's failure must not hide the others
@@ -241,6 +277,10 @@ def sweep(args: argparse.Namespace) -> int:
         if args.tensors:
             print(report.to_markdown(), flush=True)
         ok &= report.within
+        if args.why:
+            causes += why(arch, scheme, size, judges)
+    if causes:
+        print("\n### Why outside\n", *causes, sep="\n", flush=True)
     return 0 if ok else 1
 
 

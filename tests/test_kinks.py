@@ -76,6 +76,45 @@ def test_a_flips_impact_is_the_gradient_change_of_crossing_the_kink():
     assert flip.impact > 0.01  # the element carries a real share of the gradient
 
 
+def test_explain_names_the_flip_behind_a_tensor_outside_and_only_then():
+    """A stand-in for the HTP that crosses the kink of ``_Tiny``'s element (0, 2)."""
+    from qnn_convbwd.tools.fidelity import Metrics, Report, Row
+
+    model = _Tiny()
+    _, flips = kinks.find(model, (model.x, model.target), top=None)
+    flip = next(f for f in flips if f.index == (0, 2))
+    before = _grads(model, model.x, model.target)
+    with torch.no_grad():
+        model.fc1.bias[2] -= 2e-6
+    crossed = _grads(model, model.x, model.target)
+    tight = Metrics(max_rel=1e-3, rel_l2=1e-3, cosine=1.0)  # a floor the flip exceeds
+    # fc1.weight: outside by 3x the flip's impact, with a floor whose limit the flip
+    # alone does not reach: outside, but not by this flip
+    loose = Metrics(max_rel=1.0, rel_l2=flip.impact / 2, cosine=0.0)
+    report = Report(
+        [
+            Row("fc1.bias", Metrics.of(crossed["fc1.bias"], before["fc1.bias"]), tight),
+            Row("fc2.bias", Metrics.of(crossed["fc2.bias"], before["fc2.bias"]), tight),
+            Row(
+                "fc1.weight",
+                Metrics.of(before["fc1.weight"] * (1 + 3 * flip.impact), before["fc1.weight"]),
+                loose,
+            ),
+            Row("loss", Metrics(max_rel=0.5, rel_l2=0.5, cosine=1.0), tight),
+        ]
+    )
+    causes = {c.tensor: c for c in kinks.explain(report, flips)}
+    assert set(causes) == {"fc1.bias", "fc1.weight", "loss"}  # fc2.bias is within
+    bias = causes["fc1.bias"]
+    assert bias.explained and bias.flips[0].index == (0, 2)
+    assert bias.flips[0].impacts["fc1.bias"] == pytest.approx(flip.impact, rel=1e-3)
+    assert "relu#1 [0, 2]" in bias.describe()
+    weight = causes["fc1.weight"]
+    assert not weight.explained and weight.largest.index == (0, 2)
+    assert "no single gate flip puts it outside" in weight.describe()
+    assert causes["loss"].largest is None and "not a kink flip" in causes["loss"].describe()
+
+
 def test_a_model_that_trains_nothing_is_refused():
     model = _Tiny().requires_grad_(False)
     with pytest.raises(ValueError, match="nothing is trained"):

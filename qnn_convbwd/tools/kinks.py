@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -79,6 +79,8 @@ class Flip:
     tensor: str  # the trained parameter whose gradient the flip moves most, relatively
     impact: float  # ||change of its gradient|| / ||its gradient||
     floor: float  # torch fp16's relative L2 on that gradient
+    # the same relative change for every trained parameter the flip reaches
+    impacts: Mapping[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
     @property
     def decisive(self) -> bool:
@@ -145,7 +147,7 @@ def _rms(t: torch.Tensor) -> float:
 def find(
     model: nn.Module,
     inputs: Sequence,
-    top: int = 20,
+    top: int | None = 20,
     within: float = 3.0,
     limit: int = 1000,
 ) -> tuple[list[GateSummary], list[Flip]]:
@@ -155,8 +157,9 @@ def find(
     flips: of the elements within ``within`` x noise of a kink or flipped by
     torch fp16, the ``limit`` with the largest gradient jump get their impact
     computed (one backward each), and those nearest the fidelity bound on the
-    tensor they move (``Flip.against_bound``) come first. The model is copied;
-    the trained parameters are those that require grad.
+    tensor they move (``Flip.against_bound``) come first (``top=None``: all of
+    them). The model is copied; the trained parameters are those that require
+    grad.
     """
     probe = _not_in_place(model)
     trained = {n: p for n, p in probe.named_parameters() if p.requires_grad}
@@ -245,13 +248,13 @@ def _flip(site, jump, trained, grads, floors) -> Flip:
         retain_graph=True,
         allow_unused=True,
     )
-    best, best_name = -1.0, names[0]
-    for name, change in zip(names, changes):
-        if change is None:
-            continue
-        relative = _rms(change) / max(_rms(grads[name]), 1e-30)
-        if relative > best:
-            best, best_name = relative, name
+    impacts = {
+        name: _rms(change) / max(_rms(grads[name]), 1e-30)
+        for name, change in zip(names, changes)
+        if change is not None
+    }
+    best_name = max(impacts, key=impacts.get, default=names[0])
+    best = impacts.get(best_name, 0.0)
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), call.x.shape))
     return Flip(
         call.gate,
@@ -262,9 +265,73 @@ def _flip(site, jump, trained, grads, floors) -> Flip:
         flipped,
         jump,
         best_name,
-        max(best, 0.0),
+        best,
         floors.get(best_name, float("nan")),
+        impacts,
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """Why one tensor is outside a fidelity report's bound, as far as single flips tell."""
+
+    tensor: str
+    limit: float  # the report's relative-L2 limit on it
+    reason: str  # what the report says exceeds its limits (``fidelity.Row.why``)
+    flips: tuple[Flip, ...]  # each alone moves it past ``limit``, largest first
+    largest: Flip | None  # the flip that moves it most, decisive or not
+
+    @property
+    def explained(self) -> bool:
+        return bool(self.flips)
+
+    def describe(self) -> str:
+        head = f"{self.tensor} ({self.reason}): "
+        if self.flips:
+            shown = "; ".join(_site(f, self.tensor) for f in self.flips[:3])
+            more = f" (+{len(self.flips) - 3} more)" if len(self.flips) > 3 else ""
+            return head + f"{len(self.flips)} gate flip(s) alone put it outside: {shown}{more}"
+        if self.largest is None:
+            return head + "no gate flip moves it to first order: not a kink flip"
+        largest = _site(self.largest, self.tensor)
+        return head + f"no single gate flip puts it outside; the largest, {largest}"
+
+
+def _site(flip: Flip, tensor: str) -> str:
+    return (
+        f"{flip.gate} {list(flip.index)} (kink {flip.kink:g}, margin {flip.margin:+.1e}, "
+        f"noise {flip.noise:.1e}) moves it by {flip.impacts.get(tensor, 0.0):.3g}"
+    )
+
+
+def explain(report, flips: Sequence[Flip]) -> list[Cause]:
+    """A ``Cause`` for every tensor ``report`` (a ``fidelity.Report``) puts outside the bound.
+
+    ``flips`` should be all the flips ``find`` computed (``top=None``) for the
+    same step and input. A tensor is explained when one flip alone moves its
+    gradient by more than the report's limit on it: the HTP and torch fp16 then
+    differ by that much whenever one of them crosses the kink and the other
+    does not. The loss moves only to second order.
+    """
+    causes = []
+    for row in report.rows:
+        if row.within:
+            continue
+        reach = sorted(
+            (f for f in flips if row.name in f.impacts),
+            key=lambda f: -f.impacts[row.name],
+        )
+        decisive = tuple(f for f in reach if f.impacts[row.name] > row.rel_l2_limit)
+        causes.append(
+            Cause(
+                row.name,
+                row.rel_l2_limit,
+                row.why(),
+                decisive,
+                reach[0] if reach else None,
+            )
+        )
+    return causes
 
 
 def to_markdown(summaries: Sequence[GateSummary], flips: Sequence[Flip]) -> str:

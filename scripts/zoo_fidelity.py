@@ -52,7 +52,7 @@ import zoo  # noqa: E402
 
 import qnn_convbwd  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import fidelity, kinks  # noqa: E402
+from qnn_convbwd.tools import fidelity  # noqa: E402
 from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
 
 
@@ -84,15 +84,13 @@ def measure(
         ]
         path = Path(dump.format(arch=arch, scheme=scheme, size=size, soc=soc))
         path.write_text(json.dumps(draws))
-    report = fidelity.pooled(reports) if len(reports) > 1 else reports[0]
-    judges = [("pooled" if len(reports) > 1 else "the input", report)]
+    judges = zoo.judges(reports, around=bool(neighbours))
+    report = judges[0][1]
     within = "yes" if report.within else "no"
     offending = "; ".join(report.offending) or "-"
     alone = sum(r.within for r in reports)
     if neighbours:
-        first = reports[0]
-        median = fidelity.pooled(reports, how="median")
-        judges += [("medians", median), ("the input alone", first)]
+        (_, median), (_, first) = judges[1:]
         own = "yes" if first.within else f"no, {len(first.offending)} outside"
         typical = "yes" if median.within else f"no, {len(median.offending)} outside"
         within += (
@@ -128,21 +126,18 @@ def measure(
 
 def why(arch: str, scheme: str, size: int, judges: list[tuple[str, fidelity.Report]]) -> list[str]:
     """Markdown lines: each judge's tensors outside the bound and the kink flips behind them."""
-    outside = [(label, report) for label, report in judges if not report.within]
-    if not outside:
+    summaries, flips, explained = zoo.causes(arch, scheme, size, judges)
+    if not explained:
         return []
-    model, inputs = zoo.step(arch, scheme, size)
-    summaries, flips = kinks.find(model, inputs, top=None)
     lines = [
         f"**{arch} {scheme} {size} px**: {sum(s.near for s in summaries)} gate elements near a "
         f"kink, {sum(s.flipped_fp16 for s in summaries)} flipped by torch fp16, {len(flips)} "
         "flips computed (on the graph's input)",
         "",
     ]
-    for label, report in outside:
-        causes = kinks.explain(report, flips)
-        explained = sum(c.explained for c in causes)
-        lines.append(f"* {label}: {explained} of {len(causes)} outside explained by one flip")
+    for label, causes in explained:
+        count = sum(c.explained for c in causes)
+        lines.append(f"* {label}: {count} of {len(causes)} outside explained by one flip")
         lines += [f"  * {c.describe()}" for c in causes]
     return [*lines, ""]
 

@@ -7,6 +7,8 @@ tests that reach the toolchain otherwise carry it explicitly.
 and sweeps that repeat one simulator check over more SoCs or configurations than
 the default tier's representative ones. ``pytest.mark.slow(reason=...)`` says
 which; the skip names it.
+``sweep``: issue 13's zoo fidelity sweep (``tests/test_zoo_sweep.py``), skipped
+unless ``--sweep`` is given: 48 lowerings of torchvision models, hours.
 ``python -m pytest -m "not htp"`` is the quick tier (no QNN compile).
 
 Workers: ``-n auto --dist loadscope`` (pyproject's addopts) runs one pytest-xdist
@@ -30,6 +32,9 @@ MAX_WORKERS = 4
 
 def pytest_addoption(parser):
     parser.addoption("--slow", action="store_true", help="run the long property runs")
+    parser.addoption(
+        "--sweep", action="store_true", help="run the zoo fidelity sweep (hours; -k selects rows)"
+    )
 
 
 def _cores() -> int:
@@ -48,6 +53,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "qnn_sdk" in getattr(item, "fixturenames", ()) and "htp" not in item.keywords:
             item.add_marker(pytest.mark.htp)
+    if not config.getoption("--sweep"):
+        sweep = pytest.mark.skip(
+            reason="zoo fidelity sweep (48 lowerings, hours of QAIRT): select with --sweep"
+        )
+        for item in items:
+            if item.get_closest_marker("sweep") is not None:
+                item.add_marker(sweep)
     if config.getoption("--slow"):
         return
     for item in items:

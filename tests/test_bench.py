@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from qnn_convbwd.tools import bench
+from qnn_convbwd.tools import bench, bench_report
 
 # --- helpers for the simulator worker (module level: the spawned worker imports them) ------
 
@@ -98,6 +98,8 @@ def _graph_result() -> bench.GraphResult:
     plugin.static_bytes, plugin.context_binary_bytes = 33420, 172288
     plugin.lower_seconds, plugin.max_abs_error, plugin.extra_outputs = [3.0, 1.0, 2.0], 6e-5, 1
     plugin.lower_process_seconds = [2.5, 0.5, 1.5]
+    plugin.fidelity_outside, plugin.fidelity_tensors = 0, 7
+    plugin.fidelity_worst = "backbone.0.weight 0.00066 (0.0009)"
     cpu = bench.ModeResult(
         "kept_on_cpu", partitions=5, cpu_ops=12, conv_bwd_on_cpu=11, conv_bwd_delegated=0
     )
@@ -113,12 +115,21 @@ def test_markdown_table_shows_failures_instead_of_numbers():
     plugin, cpu, plain = rows
     assert plugin.startswith("| resnet 16px frozen | plugin | 1 | 2 | 1 of 6 | 33,420 / 33,376 |")
     assert "| 172,288 / 102,656 | 2.00 / 1.50 | 6.0e-05 |" in plugin  # medians
+    assert "| within; worst backbone.0.weight 0.00066 (0.0009) |" in plugin
     assert "1 output(s) beyond the signature" in plugin
     assert cpu.startswith(
         "| resnet 16px frozen | plugin, conv_bwd kept on CPU | 5 | 12 | 11 of 11 (6 exported) |"
     )
-    assert "| run failed | simulator: `RuntimeError: simulator process crashed: boom` |" in cpu
+    crashed = "simulator: `RuntimeError: simulator process crashed: boom`"
+    assert f"| run failed | n/a | {crashed} |" in cpu
     assert "| — | — |" in plain and "lowering fails: `I64toI32 pass: AttributeError: x`" in plain
+
+
+def test_fidelity_cell_counts_the_tensors_outside():
+    result = bench.ModeResult("plugin", fidelity_outside=2, fidelity_tensors=7)
+    result.fidelity_worst = "adapter.bias 0.31 (0.05)"
+    assert bench_report._fidelity_cell(result) == "2 of 7 outside; worst adapter.bias 0.31 (0.05)"
+    assert bench_report._fidelity_cell(bench.ModeResult("plugin")) == "n/a"  # not run
 
 
 def test_charts_are_drawn_from_the_json_report(tmp_path):
@@ -223,6 +234,8 @@ def test_measure_graph_records_every_mode(qnn_sdk):
     assert result.conv_bwd_nodes == 6
     assert plugin.error is None and plugin.run_error is None
     assert plugin.max_abs_error < 1e-2
+    assert plugin.fidelity_outside == 0, plugin.fidelity_worst
+    assert plugin.fidelity_tensors == 3  # the loss, the adapter's weight and bias gradients
     assert plugin.conv_bwd_on_cpu < cpu.conv_bwd_on_cpu == 6
     assert plugin.context_binary_bytes > result.forward_context_binary_bytes > 0
     assert len(plugin.lower_seconds) == 1 and plugin.median_seconds > 0

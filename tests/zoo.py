@@ -261,3 +261,41 @@ def joint_outputs(graph, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     ):
         raise RuntimeError(f"{len(outputs)} outputs: not {len(names)} + the trained parameters")
     return outputs[: len(names)]
+
+
+def judges(reports: list, around: bool = False) -> list[tuple[str, object]]:
+    """docs/zoo.md's verdicts on one graph's ``reports`` (the input's first), as
+    ``(label, fidelity.Report)``.
+
+    One report: ``"the input"``. Several: ``"pooled"`` (``fidelity.pooled``, rms);
+    over the input's fp16 neighbours (``around``, as ``reports`` made them) also
+    ``"medians"`` and ``"the input alone"``; the graph is within when the two
+    poolings are (the input alone is one draw of the fp16 noise).
+    """
+    from qnn_convbwd.tools import fidelity
+
+    if len(reports) == 1:
+        return [("the input", reports[0])]
+    verdicts = [("pooled", fidelity.pooled(reports))]
+    if around:
+        median = fidelity.pooled(reports, how="median")
+        verdicts += [("medians", median), ("the input alone", reports[0])]
+    return verdicts
+
+
+def causes(arch: str, scheme: str, size: int, verdicts: list[tuple[str, object]]):
+    """Why each verdict outside the bound is outside: ``(summaries, flips, [(label, causes)])``.
+
+    ``kinks.find`` on ``step(arch, scheme, size)`` (CPU, torch fp32 and fp16; the
+    gate summaries and every flip computed), then ``kinks.explain`` of each verdict
+    outside: every tensor outside and the single gate flips behind it. All three are
+    empty when every verdict is within (nothing is run).
+    """
+    from qnn_convbwd.tools import kinks
+
+    outside = [(label, report) for label, report in verdicts if not report.within]
+    if not outside:
+        return [], [], []
+    model, inputs = step(arch, scheme, size)
+    summaries, flips = kinks.find(model, inputs, top=None)
+    return summaries, flips, [(label, kinks.explain(report, flips)) for label, report in outside]

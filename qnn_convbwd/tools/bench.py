@@ -15,8 +15,10 @@ Every reference graph (``qnn_convbwd.tools.models``) is lowered three ways in on
 For each it records delegate partitions, call_function nodes left on CPU,
 convolution_backward nodes left on CPU, static tensor bytes in the QNN graph
 (when ``qnn_convbwd.toolchain.saver`` is available), context-binary bytes, AOT
-lowering seconds (median of ``--repeats``) and the maximum absolute error of the
-program on the x86-64 HTP simulator against eager autograd. A lowering or run
+lowering seconds (median of ``--repeats``), and the program's run on the x86-64
+HTP simulator against eager autograd: the maximum absolute error and the
+fidelity verdict (``tools.fidelity``: per tensor against torch's own fp16 step,
+the floor). A lowering or run
 that fails is recorded with its error, never hidden.
 
 The scaling study lowers the same backbone at depth x1, x2, x4 in a fresh
@@ -171,8 +173,11 @@ def run(args: argparse.Namespace) -> int:
         about = (
             f"Lowering seconds are medians of {args.repeats} lowerings (wall clock, and CPU "
             "time of the process); max abs err is the x86-64 HTP simulator against eager "
-            "autograd over the outputs the graph signature declares. Static bytes come from a "
-            "Saver recording of the first QNN partition."
+            "autograd over the outputs the graph signature declares; fidelity judges each of "
+            "those tensors against fp32 autograd next to torch's own fp16 step (within: "
+            "relative L2 at most 2x the fp16 step's + 1e-3 and the cosine limit, "
+            "docs/numerics.md), the worst tensor's relative L2 then the fp16 step's. Static "
+            "bytes come from a Saver recording of the first QNN partition."
         )
         md += [f"## Training graphs on {args.soc}\n", about, "", table, "", "![chart](bench.png)"]
         md.append("")

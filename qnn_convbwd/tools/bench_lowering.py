@@ -55,6 +55,11 @@ class ModeResult:
     lower_seconds: list[float] = dataclasses.field(default_factory=list)
     lower_process_seconds: list[float] = dataclasses.field(default_factory=list)
     max_abs_error: float | None = None
+    # ``tools.fidelity`` of the run against fp32 autograd and torch's fp16 step (the floor):
+    # tensors outside the bound (0: within), of how many, and the worst by relative L2.
+    fidelity_outside: int | None = None
+    fidelity_tensors: int | None = None
+    fidelity_worst: str | None = None
     run_error: str | None = None  # lowered, but the program failed on the simulator
     extra_outputs: int | None = None  # program outputs beyond the graph signature's
 

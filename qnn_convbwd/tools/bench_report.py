@@ -50,11 +50,22 @@ def _error_cell(m: ModeResult) -> str:
     return _fmt(m.max_abs_error, ".1e")
 
 
+def _fidelity_cell(m: ModeResult) -> str:
+    """``within`` or ``N of M outside``, then the worst tensor: rel L2 (torch fp16's)."""
+    if m.fidelity_outside is None:
+        return "n/a"
+    verdict = f"{m.fidelity_outside} of {m.fidelity_tensors} outside"
+    if m.fidelity_outside == 0:
+        verdict = "within"
+    return f"{verdict}; worst {m.fidelity_worst}"
+
+
 def markdown_table(results: Sequence[GraphResult]) -> str:
     head = (
         "| graph | lowering | partitions | CPU ops | conv_bwd on CPU | static bytes "
         "(joint / fwd-only) | context bytes (joint / fwd-only) | lower s wall / CPU "
-        "| max abs err | note |\n|---|---|---|---|---|---|---|---|---|---|"
+        "| max abs err | fidelity (rel L2, fp16 floor) | note |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for r in results:
@@ -64,7 +75,7 @@ def markdown_table(results: Sequence[GraphResult]) -> str:
             fwd_ctx = _bytes_cell(r.forward_context_binary_bytes)
             if m.error:
                 lines.append(
-                    f"| {r.spec.name} | {label} | — | — | — | — | — | — | — | "
+                    f"| {r.spec.name} | {label} | — | — | — | — | — | — | — | — | "
                     f"lowering fails: `{m.error}` |"
                 )
                 continue
@@ -82,7 +93,7 @@ def markdown_table(results: Sequence[GraphResult]) -> str:
                 f"{_bytes_cell(m.static_bytes, m.static_bytes_note)} / {fwd_static} | "
                 f"{_bytes_cell(m.context_binary_bytes)} / {fwd_ctx} | "
                 f"{_fmt(m.median_seconds, '.2f')} / {_fmt(m.median_process_seconds, '.2f')} | "
-                f"{_error_cell(m)} | {note} |"
+                f"{_error_cell(m)} | {_fidelity_cell(m)} | {note} |"
             )
     return "\n".join(lines)
 

@@ -146,6 +146,18 @@ class Simulator:
         self.close()
 
 
+def record_fidelity(result: ModeResult, graph: Any, outputs: Sequence[torch.Tensor]) -> None:
+    """``result``'s fidelity cells: the run judged per tensor against fp32 autograd
+    and torch's own fp16 step (``fidelity.assess_model``, the bound of docs/numerics.md)."""
+    from . import fidelity
+
+    report = fidelity.assess_model(graph.model, graph.inputs, graph.program, outputs)
+    worst = report.worst()
+    result.fidelity_outside = len(report.offending)
+    result.fidelity_tensors = len(report.rows)
+    result.fidelity_worst = f"{worst.name} {worst.htp.rel_l2:.2g} ({worst.floor.rel_l2:.2g})"
+
+
 def forward_only_program(graph: Any) -> torch.export.ExportedProgram:
     """The model's forward and loss, exported without backward."""
     return torch.export.export(graph.model, graph.inputs, strict=True)
@@ -219,6 +231,7 @@ def measure_graph(
                 outputs = simulator.run(pte, graph.inputs)
                 result.extra_outputs = len(outputs) - len(reference)
                 result.max_abs_error = compare(outputs, reference)
+                record_fidelity(result, graph, outputs)
             except Exception as err:
                 result.run_error = error_text(err, limit=240)
                 logger.warning("%s (%s): run failed: %s", spec.name, mode, result.run_error)

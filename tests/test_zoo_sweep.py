@@ -59,12 +59,28 @@ def options(arch: str, scheme: str) -> dict[str, object]:
     return {}
 
 
-CASES = list(itertools.product(ARCHITECTURES, SCHEMES, SIZES, SOCS))
-
-
-@pytest.mark.parametrize(
-    ("arch", "scheme", "size", "soc"), CASES, ids=["-".join(map(str, c)) for c in CASES]
+# Graphs measured outside with a tensor no single flip explains (docs/zoo.md, session 19):
+# strict, so the case fails once it passes and the entry must go.
+_MV3S_FULL_32 = (
+    "medians: features.1.block.1.fc1 weight and bias, cosine 0.99175 < 0.99371; "
+    "95 gate flips reach them, the largest alone moves them 0.079 (docs/zoo.md, session 19)"
 )
+KNOWN_OUTSIDE = {
+    ("mobilenet_v3_small", "full", 32, "SM8650"): _MV3S_FULL_32,
+    ("mobilenet_v3_small", "full", 32, "SM8850"): _MV3S_FULL_32,  # the same bits as SM8650
+}
+
+
+def _case(arch: str, scheme: str, size: int, soc: str):
+    known = KNOWN_OUTSIDE.get((arch, scheme, size, soc))
+    marks = [pytest.mark.xfail(strict=True, reason=known)] if known else []
+    return pytest.param(arch, scheme, size, soc, marks=marks, id=f"{arch}-{scheme}-{size}-{soc}")
+
+
+CASES = [_case(*c) for c in itertools.product(ARCHITECTURES, SCHEMES, SIZES, SOCS)]
+
+
+@pytest.mark.parametrize(("arch", "scheme", "size", "soc"), CASES)
 def test_zoo_graph_within_fidelity_or_explained(arch, scheme, size, soc, qnn_sdk):
     try:
         graph = zoo.graph(arch, scheme, size)

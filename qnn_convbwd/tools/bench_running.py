@@ -146,12 +146,19 @@ class Simulator:
         self.close()
 
 
-def record_fidelity(result: ModeResult, graph: Any, outputs: Sequence[torch.Tensor]) -> None:
-    """``result``'s fidelity cells: the run judged per tensor against fp32 autograd
-    and torch's own fp16 step (``fidelity.assess_model``, the bound of docs/numerics.md)."""
+def record_fidelity(
+    result: ModeResult,
+    graph: Any,
+    outputs: Sequence[torch.Tensor],
+    reference: Sequence[torch.Tensor],
+    floor: Sequence[torch.Tensor],
+) -> None:
+    """``result``'s fidelity cells: the run judged per tensor against ``reference`` (fp32
+    autograd) next to ``floor``, torch's own fp16 step (``fidelity.assess``, the bound of
+    docs/numerics.md)."""
     from . import fidelity
 
-    report = fidelity.assess_model(graph.model, graph.inputs, graph.program, outputs)
+    report = fidelity.assess(graph.program, outputs, reference, floor)
     worst = report.worst()
     result.fidelity_outside = len(report.offending)
     result.fidelity_tensors = len(report.rows)
@@ -173,6 +180,7 @@ def measure_graph(
     """Lower one graph in every mode; run each lowered program on ``simulator`` if given."""
     from .. import api
     from ..toolchain import harness
+    from . import fidelity
     from .models import training_graph
 
     specs = harness.compile_specs(soc)
@@ -195,6 +203,7 @@ def measure_graph(
     if forward_partitions != 1:
         logger.warning("%s: forward-only graph has %d partitions", spec.name, forward_partitions)
 
+    floor: list[torch.Tensor] | None = None  # torch's fp16 step, computed once if a run needs it
     results: dict[str, ModeResult] = {}
     for mode in modes:
         result = ModeResult(mode)
@@ -231,7 +240,9 @@ def measure_graph(
                 outputs = simulator.run(pte, graph.inputs)
                 result.extra_outputs = len(outputs) - len(reference)
                 result.max_abs_error = compare(outputs, reference)
-                record_fidelity(result, graph, outputs)
+                if floor is None:
+                    floor = fidelity.fp16_reference(graph.model, graph.inputs, graph.program)
+                record_fidelity(result, graph, outputs, reference, floor)
             except Exception as err:
                 result.run_error = error_text(err, limit=240)
                 logger.warning("%s (%s): run failed: %s", spec.name, mode, result.run_error)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import logging
@@ -409,7 +410,13 @@ def _row(
 
 
 def _qualcomm_passes(program, compiler_specs, skip_node_id_set=None, skip_node_op_set=None):
-    """executorch's export passes and to_edge transform passes for the specs' backend."""
+    """executorch's export passes and to_edge transform passes for the specs' backend.
+
+    The export passes rewrite the program they are given in place (a joint
+    graph's scalar comparisons became tensor ones), so they run on a copy: the
+    caller's program stays as it was, to be lowered again or judged.
+    """
+    program = copy.deepcopy(program)
     backend = integration.get("flatbuffer_to_option")(
         integration.get("generate_qnn_executorch_option")(compiler_specs)
     ).backend_options.backend_type

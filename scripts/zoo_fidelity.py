@@ -35,6 +35,14 @@ fp32 and fp16 step on the graph's input (``tools.kinks``, CPU) finds the gate
 elements next to a kink, and a tensor is explained when one such element,
 flipped alone, moves its gradient past the judge's limit on it
 (``kinks.explain``); otherwise the largest flip that reaches it is named.
+
+``--gates`` judges each graph again with each side's own gate decisions
+(``zoo.gate_matched``, on the input and its ``--neighbours``): the joint graph is
+lowered a second time with every gate's compared tensor as an output (its other
+outputs checked bit-identical to the first lowering's), and the HTP is compared
+with fp32 on the HTP's gates, torch fp16 with fp32 on fp16's. Within there and outside in the
+table: the HTP's arithmetic is as right as fp16's, and which gate elements its
+forward rounded across a kink puts it outside.
 """
 
 from __future__ import annotations
@@ -65,8 +73,10 @@ def measure(
     spread: int = 0,
     neighbours: int = 0,
     dump: str | None = None,
-) -> tuple[str, fidelity.Report, list[tuple[str, fidelity.Report]]]:
-    """The graph's markdown row, its report, and each judge's report (label, report)."""
+    gates: bool = False,
+) -> tuple[str, fidelity.Report, list[tuple[str, fidelity.Report]], list[str]]:
+    """The graph's markdown row, its report, each judge's report (label, report),
+    and with ``gates`` the lines of its gate-matched judgement."""
     start = time.perf_counter()
     graph = zoo.graph(arch, scheme, size)
     export_s = time.perf_counter() - start
@@ -86,6 +96,24 @@ def measure(
         path.write_text(json.dumps(draws))
     judges = zoo.judges(reports, around=bool(neighbours))
     report = judges[0][1]
+    matched_lines = []
+    if gates:
+        first = compiled.run(list(graph.inputs))
+        matched = zoo.gate_matched(graph, soc, max(neighbours, 1), first)
+        flips = [(sum(m.flips_htp.values()), sum(m.flips_fp16.values())) for m in matched]
+        matched_lines.append(
+            f"**{arch} {scheme} {size} px {soc}** on each side's own gates; slopes flipped "
+            f"per draw (HTP / torch fp16): {', '.join(f'{h}/{f}' for h, f in flips)}"
+        )
+        for label, judged in zoo.judges([m.report for m in matched], around=bool(neighbours)):
+            matched_lines.append(f"* {label}: {judged.verdict()}")
+            if label != "the input alone":
+                worst = judged.worst()
+                matched_lines.append(
+                    f"  * worst {worst.name}: HTP {worst.htp.rel_l2:.3g} / cosine "
+                    f"{worst.htp.cosine:.6f}, torch fp16 {worst.floor.rel_l2:.3g} / "
+                    f"{worst.floor.cosine:.6f}"
+                )
     within = "yes" if report.within else "no"
     offending = "; ".join(report.offending) or "-"
     alone = sum(r.within for r in reports)
@@ -121,7 +149,7 @@ def measure(
         row += (
             f" {len(ill)} ({len([n for n in outside if n in ill])} of the {len(outside)} outside) |"
         )
-    return row, report, judges
+    return row, report, judges, matched_lines
 
 
 def why(arch: str, scheme: str, size: int, judges: list[tuple[str, fidelity.Report]]) -> list[str]:
@@ -211,6 +239,12 @@ def main() -> int:
         help="after the table, the gate flips (tools.kinks) behind every tensor outside",
     )
     parser.add_argument(
+        "--gates",
+        action="store_true",
+        help="also judge each graph with each side's own gate decisions (zoo.gate_matched; "
+        "lowers it a second time)",
+    )
+    parser.add_argument(
         "--cpu", action="store_true", help="check the all-CPU programs against fp32 torch instead"
     )
     parser.add_argument(
@@ -255,10 +289,19 @@ def sweep(args: argparse.Namespace) -> int:
         "|" + "---|" * 12 + ("---|" if extra else "")
     )
     causes: list[str] = []
+    gated: list[str] = []
     for arch, scheme, size, soc in itertools.product(args.arch, args.scheme, args.size, args.soc):
         try:
-            row, report, judges = measure(
-                arch, scheme, soc, size, args.inputs, args.spread, args.neighbours, args.dump
+            row, report, judges, matched = measure(
+                arch,
+                scheme,
+                soc,
+                size,
+                args.inputs,
+                args.spread,
+                args.neighbours,
+                args.dump,
+                args.gates,
             )
         except Exception as err:  # one graph's failure must not hide the others
             print(
@@ -274,8 +317,11 @@ def sweep(args: argparse.Namespace) -> int:
         ok &= report.within
         if args.why:
             causes += why(arch, scheme, size, judges)
+        gated += matched
     if causes:
         print("\n### Why outside\n", *causes, sep="\n", flush=True)
+    if gated:
+        print("\n### On each side's own gates\n", *gated, sep="\n", flush=True)
     return 0 if ok else 1
 
 

@@ -263,6 +263,37 @@ def joint_outputs(graph, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     return outputs[: len(names)]
 
 
+def gate_matched(graph, soc: str, count: int, first: list[torch.Tensor]) -> list:
+    """``gate_match.assess`` of ``graph`` on its input and ``count - 1`` fp16 neighbours
+    (``reports(..., around=True)``'s draws), each side judged on its own gate decisions.
+
+    The joint program is lowered again (for ``soc``, with the options in effect)
+    with every gate's compared tensor as an extra output
+    (``gate_match.with_gate_outputs``). ``first`` are the plain lowering's outputs
+    on the graph's input: the gated lowering's own outputs must equal them bit for
+    bit, or this raises (its gates would then be another computation's).
+    """
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd.tools import fidelity, gate_match
+
+    gated = gate_match.with_gate_outputs(graph.program, graph.model, graph.inputs)
+    compiled = harness.lower_program(gated.program, soc)
+    found = []
+    for i, args in enumerate(fidelity.neighbours(graph.inputs, count)):
+        own, sides = gated.split(compiled.run(list(args)))
+        if i == 0:
+            differ = [k for k, (a, b) in enumerate(zip(own, first)) if not torch.equal(a, b)]
+            if differ or len(own) != len(first):
+                raise RuntimeError(
+                    f"{graph.name}: the gated lowering's outputs {differ[:5]} differ from the "
+                    "plain lowering's: its gate tensors are not the plain program's"
+                )
+        found.append(
+            gate_match.assess(graph.model, args, graph.program, joint_outputs(graph, own), sides)
+        )
+    return found
+
+
 def judges(reports: list, around: bool = False) -> list[tuple[str, object]]:
     """docs/zoo.md's verdicts on one graph's ``reports`` (the input's first), as
     ``(label, fidelity.Report)``.

@@ -108,7 +108,7 @@ class _Call:
     x16: torch.Tensor | None = None  # fp16 input, as float32
 
 
-def _not_in_place(model: nn.Module) -> nn.Module:
+def not_in_place(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose modules do not overwrite their input.
 
     An in-place gate overwrites the pre-activation this module needs to keep.
@@ -120,7 +120,9 @@ def _not_in_place(model: nn.Module) -> nn.Module:
     return probe
 
 
-def _hooked_forward(model: nn.Module, inputs: Sequence, record) -> torch.Tensor:
+def hooked_forward(model: nn.Module, inputs: Sequence, record) -> torch.Tensor:
+    """``model(*inputs)``, calling ``record(gate call, kinks, input, output)`` at every
+    gate module call (``"name#k"`` for its k-th call), in call order."""
     counts: dict[str, int] = {}
     handles = []
     for name, module in model.named_modules():
@@ -161,7 +163,7 @@ def find(
     them). The model is copied; the trained parameters are those that require
     grad.
     """
-    probe = _not_in_place(model)
+    probe = not_in_place(model)
     trained = {n: p for n, p in probe.named_parameters() if p.requires_grad}
     if not trained:
         raise ValueError("no parameter of the model requires grad: nothing is trained")
@@ -173,7 +175,7 @@ def find(
         calls.append(_Call(gate, kinks, x, y))
 
     with pinned():
-        loss = _hooked_forward(probe, inputs, keep)
+        loss = hooked_forward(probe, inputs, keep)
         loss.backward(retain_graph=True)
     grads = {n: p.grad.detach().clone() for n, p in trained.items()}
 
@@ -192,7 +194,7 @@ def find(
         call.x16 = x.detach().float()
 
     with fp16_kernels():
-        loss16 = _hooked_forward(half, half_inputs, compare)
+        loss16 = hooked_forward(half, half_inputs, compare)
         loss16.backward()
     floors = {}
     for name, parameter in half.named_parameters():

@@ -21,7 +21,13 @@ from .meta import INDICES_ON_HTP
 from .nodes import origins
 from .partition import cpu_kernel, judge, max_pool, split
 from .partition.target import Target
-from .passes import int64_constants, layout, preserve_output_dtypes, record_output_dtypes
+from .passes import (
+    int64_constants,
+    layout,
+    preserve_output_dtypes,
+    record_output_dtypes,
+    train_mode,
+)
 from .passes.batch_norm import StableBatchNorm
 from .passes.canonicalize import CanonicalizeConvolutionBackward
 from .passes.conv_batch_norm import FoldConvolutionBatchNorm
@@ -93,7 +99,32 @@ def _after_partition(edge_program, partition_tags: dict) -> None:
         del node.meta["delegation_tag"]
         logger.debug("%s: trainable, kept as a delegate input", node.name)
     int64_constants.restore_cpu_constant_dtypes(edge_program)
+    _keep_buffer_values(edge_program)
     _check_pool_indices_stay_inside(edge_program)
+
+
+def _keep_buffer_values(edge_program) -> None:
+    """Mutated buffers (running statistics, counters) keep their values in the program.
+
+    executorch serialises only the shape and dtype of a buffer the program mutates,
+    unless its placeholder is marked ``et_init_buffer``: a running variance would
+    start at zero instead of one. The partition rules keep a mutated buffer's reads
+    and writes on CPU (``program_state_on_cpu``); one tagged into a delegate anyway
+    would stop being a buffer of the program, so that is an error here rather than a
+    program that silently stops updating it.
+    """
+    signature = edge_program.graph_signature
+    mutated = set(signature.buffers_to_mutate.values())
+    for node in edge_program.graph.nodes:
+        if node.op != "placeholder" or signature.inputs_to_buffers.get(node.name) not in mutated:
+            continue
+        node.meta["et_init_buffer"] = True
+        if "delegation_tag" in node.meta:
+            raise RuntimeError(
+                f"{node.name}: the mutated buffer {signature.inputs_to_buffers[node.name]} was "
+                f"tagged into {node.meta['delegation_tag']}: its updates would be lost "
+                "(report this graph)"
+            )
 
 
 def _check_pool_indices_stay_inside(edge_program) -> None:
@@ -154,6 +185,8 @@ def _hooks() -> integration.Hooks:
         (op_max_pool_with_indices.TARGET, op_max_pool_with_indices.define_max_pool),
         (op_max_pool_with_indices.CAST_TARGET, op_max_pool_with_indices.define_indices_cast),
     )
+    hooks.pre_decomposition = train_mode.prepare
+    hooks.training_metadata = signature.runtime_training_metadata
     hooks.after_partition = _after_partition
     hooks.after_build = functools.partial(
         delegate_io.bind_outputs_in_order,
@@ -416,7 +449,7 @@ def _qualcomm_passes(program, compiler_specs, skip_node_id_set=None, skip_node_o
     graph's scalar comparisons became tensor ones), so they run on a copy: the
     caller's program stays as it was, to be lowered again or judged.
     """
-    program = copy.deepcopy(program)
+    program = train_mode.prepare(copy.deepcopy(program))
     backend = integration.get("flatbuffer_to_option")(
         integration.get("generate_qnn_executorch_option")(compiler_specs)
     ).backend_options.backend_type

@@ -76,6 +76,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ),
     (
         f"{_QC}.partition.qnn_partitioner",
+        "QnnPartitioner.transform_for_pre_decomposition",
+        "patched: train-mode ATen ops rewritten before executorch decomposes the graph",
+    ),
+    (
+        f"{_QC}.partition.qnn_partitioner",
         "QnnPartitioner.tag_nodes",
         "patched: no partition, nothing to tag",
     ),
@@ -127,6 +132,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("executorch.exir.lowered_backend_module", "get_lowered_submodules", "delegate inspection"),
     (f"{_QC}.builders.node_visitor", "QNN_TENSOR_TYPE_MAP", "torch -> QNN dtype"),
     ("executorch.exir.dialects._ops", "ops", "edge dialect op handles"),
+    (
+        "executorch.exir.emit._emit_program",
+        "_get_training_metadata",
+        "patched: a joint program's gradient and parameter indices skip buffer mutations",
+    ),
     ("executorch.exir", "to_edge_transform_and_lower", "lower()"),
     (f"{_QC}.partition.qnn_partitioner", "QnnPartitioner", "lower()"),
     (f"{_QC}._passes.qnn_pass_manager", "get_qnn_pass_manager_cls", "lower()"),
@@ -300,6 +310,12 @@ class Hooks:
     conv_define: Callable[[Callable[[], Any], Any, Any, Any], Any] | None = None
     # The same for other executorch visitors, by target (e.g. the forward max pool).
     visitor_wraps: tuple[tuple[str, Callable[[Callable[[], Any], Any, Any, Any], Any]], ...] = ()
+    # ATen program -> ATen program, run before executorch's decompositions
+    # (``Partitioner.transform_for_pre_decomposition``, which QnnPartitioner inherits).
+    pre_decomposition: Callable[[Any], Any] | None = None
+    # (original, methods) -> the training metadata executorch emits
+    # (``__et_training_*`` methods); ``original(methods)`` is executorch's own.
+    training_metadata: Callable[[Callable[[Any], dict], Any], dict] | None = None
     # Called after QnnPartitioner.partition has tagged the program: (edge_program,
     # partition_tags), the tags' dict of the PartitionResult (which it may extend).
     after_partition: Callable[[Any, dict[str, Any]], None] | None = None
@@ -433,6 +449,23 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
         return orig_tag_nodes(self, partitions, edge_program)
 
     p.set_attr(partitioner_cls, "tag_nodes", tag_nodes)
+
+    if hooks.pre_decomposition is not None:
+        orig_pre = partitioner_cls.transform_for_pre_decomposition
+
+        def pre_decomposition(self, exported_program):
+            return orig_pre(self, hooks.pre_decomposition(exported_program))
+
+        p.set_attr(partitioner_cls, "transform_for_pre_decomposition", pre_decomposition)
+
+    if hooks.training_metadata is not None:
+        emit = importlib.import_module("executorch.exir.emit._emit_program")
+        orig_metadata = emit._get_training_metadata
+
+        def training_metadata(methods):
+            return hooks.training_metadata(orig_metadata, methods)
+
+        p.set_attr(emit, "_get_training_metadata", training_metadata)
 
     if hooks.after_partition is not None:
         orig_partition = partitioner_cls.partition

@@ -49,3 +49,28 @@ def is_trainable_parameter(node: object, program: torch.export.ExportedProgram) 
         return False
     fqn = program.graph_signature.inputs_to_parameters.get(node.name)
     return fqn is not None and fqn in trainable_parameters(program)
+
+
+GRADIENTS_INDEX = "__et_training_gradients_index_"
+PARAMETERS_INDEX = "__et_training_parameters_index_"
+_MUTATIONS = (OutputKind.BUFFER_MUTATION, OutputKind.USER_INPUT_MUTATION)
+
+
+def runtime_training_metadata(original, methods: dict) -> dict:
+    """executorch's training metadata with indices into the outputs the runtime returns.
+
+    executorch 1.5.1 numbers a joint method's gradient and parameter outputs by
+    their position among all of the signature's outputs, buffer mutations
+    included; the runtime returns only the others (a mutation is written back
+    to its buffer). In a program that mutates a buffer (a batch norm's running
+    statistics) ``TrainingModule`` would then read the wrong outputs as
+    gradients and parameters. This shifts each index by the mutations before it.
+    """
+    metadata = original(methods)
+    for name, program in methods.items() if isinstance(methods, dict) else ():
+        kinds = [spec.kind for spec in program.graph_signature.output_specs]
+        for prefix in (GRADIENTS_INDEX, PARAMETERS_INDEX):
+            index = metadata.get(prefix + name)
+            if isinstance(index, int):
+                metadata[prefix + name] = index - sum(k in _MUTATIONS for k in kinds[:index])
+    return metadata

@@ -44,7 +44,12 @@ def export_joint(module: torch.nn.Module, inputs: tuple) -> torch.export.Exporte
     """
     from torch.export.experimental import _export_forward_backward
 
-    return _export_forward_backward(torch.export.export(module, inputs, strict=True))
+    from .passes.train_mode import cumulative_average_batch_norm
+
+    # Batch norms with momentum=None (a cumulative average) do not export as they are.
+    with cumulative_average_batch_norm(module):
+        exported = torch.export.export(module, inputs, strict=True)
+    return _export_forward_backward(exported)
 
 
 class TrainingSession:

@@ -295,6 +295,26 @@ def _lifted():
     return node, judge.Context(htp(program)), None
 
 
+class _Counter(nn.Module):
+    """Mutates a buffer: its increment is the next value of the program's state."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return x.relu()
+
+
+@reaches(GRAPH, "program_state_on_cpu")
+def _program_state():
+    with qnn_convbwd.enabled():
+        exported = torch.export.export(_Counter(), (torch.randn(1, 3, 4, 4),))
+        program = to_edge(exported).exported_program()
+    return _first(program, _of("aten.add.Tensor")), judge.Context(htp(program)), None
+
+
 @reaches(GRAPH, "loss_unscale")
 def _unscale():
     program = _ops_program()

@@ -211,6 +211,81 @@ def loss_unscale(node, context):
     return _reject(node, "divides a gradient by the loss scale in fp32 on CPU", "loss_scale")
 
 
+def _program_state(node: torch.fx.Node, context: Context) -> dict[torch.fx.Node, str]:
+    """The nodes of ``node``'s graph that belong to the program's state (its mutated
+    buffers: running statistics, counters), each with why it stays on CPU; remembered
+    per graph for one partitioning (``program_state_on_cpu``)."""
+    key = ("program_state", id(node.graph))
+    if key not in context.memo:
+        context.memo[key] = _state_nodes(node.graph, context.target.edge_program)
+    return context.memo[key]
+
+
+def _state_nodes(graph: torch.fx.Graph, program) -> dict[torch.fx.Node, str]:
+    if program is None:
+        return {}
+    signature = program.graph_signature
+    mutated = set(signature.buffers_to_mutate.values())
+    if not mutated:
+        return {}
+    outputs = graph.output_node().args[0]
+    if len(outputs) != len(signature.output_specs):
+        return {}
+    mutations, other_outputs = set(), set()
+    for value, spec in zip(outputs, signature.output_specs):
+        is_mutation = spec.kind.name == "BUFFER_MUTATION"
+        (mutations if is_mutation else other_outputs).add(value)
+    stored = set(signature.inputs_to_lifted_tensor_constants) | {
+        name for name, fqn in signature.inputs_to_buffers.items() if fqn not in mutated
+    }
+    found: dict[torch.fx.Node, str] = {}
+    # Nodes whose every use is the next value of a mutated buffer.
+    for n in reversed(graph.nodes):
+        if n.op != "call_function" or not n.users:
+            continue
+        if all(
+            found.get(user) == UPDATES_STATE
+            or (user.op == "output" and n in mutations and n not in other_outputs)
+            for user in n.users
+        ):
+            found[n] = UPDATES_STATE
+    # Nodes computed from mutated buffers and constants alone (no input, no parameter).
+    state = {
+        n
+        for n in graph.nodes
+        if n.op == "placeholder" and signature.inputs_to_buffers.get(n.name) in mutated
+    }
+    constant = {n for n in graph.nodes if n.op == "placeholder" and n.name in stored}
+    for n in graph.nodes:
+        if n.op != "call_function" or n in found:
+            continue
+        operands = n.all_input_nodes
+        if all(o in constant for o in operands):
+            constant.add(n)
+        elif all(o in constant or o in state for o in operands):
+            state.add(n)
+            found[n] = FROM_STATE
+    return found
+
+
+UPDATES_STATE = "computes the next value of a mutated buffer, in fp32 on CPU"
+FROM_STATE = "computed from mutated buffers and constants alone: a CPU input of the delegate"
+
+
+@graph_rule
+def program_state_on_cpu(node, context):
+    """The program's state stays on CPU: the running statistics' moving averages and a
+    counter's increment (only the next value of a mutated buffer), and what is computed
+    from the state alone (a random draw from a step counter). On the HTP a buffer's
+    update would run in fp16, and a buffer read or written inside a delegate is not a
+    buffer of the program (executorch then fails to emit it); on CPU it stays one, and
+    the delegate takes what the update reads as an ordinary input or output."""
+    why = _program_state(node, context).get(node)
+    if why is None:
+        return None
+    return _reject(node, "the program's state stays on CPU", why)
+
+
 @graph_rule
 def constant_follows_consumers(node, context):
     """A constant (executorch's constant ops: full, scalar_tensor, arange, and the

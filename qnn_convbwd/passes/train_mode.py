@@ -56,7 +56,7 @@ def _normalise(x, weight, bias, eps):
     mean = aten.mean.dim(x, dims, True)
     centred = aten.sub.Tensor(x, mean)
     var = aten.mean.dim(aten.mul.Tensor(centred, centred), dims, True)
-    rstd = aten.rsqrt.default(aten.add.Scalar(var, eps))
+    rstd = aten.rsqrt.default(aten.add.Tensor(var, eps))
     out = aten.mul.Tensor(centred, rstd)
     shape = _channel_shape(x)
     if weight is not None:
@@ -78,7 +78,7 @@ def _moving_average(running, batch, momentum: float):
     if momentum == 1.0:
         return aten.clone.default(batch)
     return aten.add.Tensor(
-        aten.mul.Scalar(running, 1.0 - momentum), aten.mul.Scalar(batch, momentum)
+        aten.mul.Tensor(running, 1.0 - momentum), aten.mul.Tensor(batch, momentum)
     )
 
 
@@ -88,7 +88,7 @@ def batch_norm_with_statistics(x, weight, bias, running_mean, running_var, train
     if not training:
         # Normalises with the running statistics and leaves them as they are.
         shape = _channel_shape(x)
-        rstd = aten.rsqrt.default(aten.add.Scalar(running_var, eps))
+        rstd = aten.rsqrt.default(aten.add.Tensor(running_var, eps))
         out = aten.mul.Tensor(
             aten.sub.Tensor(x, aten.view.default(running_mean, shape)),
             aten.view.default(rstd, shape),
@@ -108,7 +108,7 @@ def batch_norm_with_statistics(x, weight, bias, running_mean, running_var, train
     out, mean, var, rstd = _normalise(x, weight, bias, eps)
     count = x.numel() // x.shape[1]
     # torch divides by n - 1 for the running variance (n = 1 gives inf, as torch does).
-    unbiased = aten.mul.Scalar(var, count / (count - 1) if count > 1 else float("inf"))
+    unbiased = aten.mul.Tensor(var, count / (count - 1) if count > 1 else float("inf"))
     return (
         out,
         mean,

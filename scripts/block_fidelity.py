@@ -9,7 +9,7 @@ is lowered like any joint graph. It is judged over ``a``, ``g`` and K - 1 fp16
 neighbours (``fidelity.neighbours``), by the medians (``zoo.judges``). With no
 error coming from upstream, a block whose HTP error is several times torch
 fp16's computes worse than fp16, unless its draws split on a gate flip
-(docs/zoo.md, session 20: MobileNetV3-Small's block 3).
+(docs/zoo.md, "Judged on each side's own gates": MobileNetV3-Small's block 3).
 
     PYTHONPATH=. python scripts/block_fidelity.py mobilenet_v3_small --scheme full
         [--size 32] [--soc SM8650] [--neighbours 9] [--blocks 1 3] [--tensors]

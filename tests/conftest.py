@@ -7,7 +7,7 @@ tests that reach the toolchain otherwise carry it explicitly.
 and sweeps that repeat one simulator check over more SoCs or configurations than
 the default tier's representative ones. ``pytest.mark.slow(reason=...)`` says
 which; the skip names it.
-``sweep``: issue 13's zoo fidelity sweep (``tests/test_zoo_sweep.py``), skipped
+``sweep``: the zoo fidelity sweep (``tests/test_zoo_sweep.py``), skipped
 unless ``--sweep`` is given: 48 lowerings of torchvision models, hours.
 ``python -m pytest -m "not htp"`` is the quick tier (no QNN compile).
 

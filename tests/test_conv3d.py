@@ -1,4 +1,4 @@
-"""3-D convolution_backward on HTP (issue 6, item 5).
+"""3-D convolution_backward on HTP.
 
 grad_input is a TransposeConv3d, grad_weight a Conv3d with batch and channels
 exchanged, grad_bias a ReduceSum, all on NDHWC activations. Four defects of the

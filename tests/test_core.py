@@ -1,4 +1,4 @@
-"""Core lowering of convolution_backward's input gradient (issue 3).
+"""Core lowering of convolution_backward's input gradient.
 
 Numerical tolerance (fp16 HTP): rounding grad_output and the weight to fp16
 perturbs each product by at most ~2u (u = 2^-11) and the fp16 result adds u,

@@ -1,4 +1,4 @@
-"""1-D convolution_backward nodes that stay on CPU run there (issue 6 follow-up).
+"""1-D convolution_backward nodes that stay on CPU run there.
 
 executorch's CPU kernel computes 2-D, non-transposed convolution_backward only.
 The transform pass lifts a 1-D node that stays on CPU to 2-D through views of

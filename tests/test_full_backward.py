@@ -1,4 +1,4 @@
-"""The whole convolution backward on HTP (issue 6): grad_weight, grad_bias, dilation.
+"""The whole convolution backward on HTP: grad_weight, grad_bias, dilation.
 
 Tolerances. Every output is a sum of products, so rounding the operands to fp16
 bounds its error element-wise by ~3u times the same sum over absolute values

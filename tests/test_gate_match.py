@@ -2,7 +2,7 @@
 
 MobileNetV3-Small fully trained at 32 px is outside the fidelity bound on its
 first squeeze-excitation ``fc1`` because the HTP's forward rounds other gate
-elements across a kink than torch fp16 does (docs/zoo.md, session 20). These
+elements across a kink than torch fp16 does (docs/zoo.md). These
 tests check the pieces on a model with every gate kind: the gate tensors a
 joint program is given as outputs are the ones its backward compares, in call
 order; fp32 on a side tensor's decisions is the fp32 step when the sides are

@@ -1,4 +1,4 @@
-"""``tools.kinks``: the gate inputs a training step's gradients hinge on (issue 13).
+"""``tools.kinks``: the gate inputs a training step's gradients hinge on.
 
 MobileNetV3-Small at 96 px is outside the fidelity bound on squeeze-excitation
 ``fc1`` tensors whose ReLU the HTP and torch fp16 round to different sides

@@ -1,4 +1,4 @@
-"""aten.max_pool2d_with_indices_backward: on HTP, and right where it stays on CPU (issue 12).
+"""aten.max_pool2d_with_indices_backward: on HTP, and right where it stays on CPU.
 
 Tolerance of the HTP results: every grad_input element is a sum of the
 grad_output elements routed to it, each rounded to fp16 (u = 2^-11), so its
@@ -337,7 +337,7 @@ def test_public_pass_makes_a_cpu_only_program_right():
 class PoolNet(nn.Module):
     """conv -> + shift -> relu -> max pool -> conv, MSE. Only ``shift``, upstream of the
     pool, trains: the convolutions' weights and biases are static (a trainable conv bias
-    fails to compile on V68, which is another issue)."""
+    fails to compile on V68, a separate defect)."""
 
     def __init__(self, config) -> None:
         super().__init__()

@@ -1,4 +1,4 @@
-"""The forward max_pool2d_with_indices on the HTP with its indices (issue 12).
+"""The forward max_pool2d_with_indices on the HTP with its indices.
 
 The plugin's visitor (builders/op_max_pool_with_indices.py) computes the indices
 in the graph; they never leave the delegate, so they are checked through the

@@ -1,4 +1,4 @@
-"""Numerics (issue 13): the fidelity verdict, eval-mode batch norm, static loss scaling.
+"""Numerics: the fidelity verdict, eval-mode batch norm, static loss scaling.
 
 HTP tests judge the simulator against torch's own fp16 step or forward (the
 floor), per tensor, with ``qnn_convbwd.tools.fidelity``; docs/numerics.md has the

@@ -1,4 +1,4 @@
-"""The judge's numbers do not depend on what ran earlier in the process (issues 12, 13).
+"""The judge's numbers do not depend on what ran earlier in the process.
 
 executorch's QNN lowering turns oneDNN off for the whole process on an AMD host
 (``qnn_convbwd.tools.reference_kernels``). Before the kernels were pinned, a zoo

@@ -22,7 +22,7 @@ from qnn_convbwd.tools import fidelity
 # SM8650, input 0: every gradient within, the loss 1.47e-3 against a floor of 1.05e-4
 # (limit 1.21e-3) with the batch-norm fold, 1.46e-4 without it, although the fold's
 # logits are the more accurate (0.53-0.97x torch fp16's error against 0.80-1.87x over
-# four inputs); pooled over 5 inputs within either way (docs/zoo.md, session 9).
+# four inputs); pooled over 5 inputs within either way (docs/zoo.md).
 POOLED_INPUTS = 5
 
 
@@ -67,7 +67,7 @@ def test_mobilenet_v3_small_last_layers_within_fidelity(qnn_sdk, caplog):
 
     Judged pooled only: on input 0 alone, ``features.12.1.bias`` was within when the
     test ran alone in a process and 0.050 > limit 0.035 in CI's worker, after other
-    lowerings (not investigated; docs/zoo.md, session 10)."""
+    lowerings (not investigated)."""
     import logging
 
     try:

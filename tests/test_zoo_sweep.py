@@ -1,4 +1,4 @@
-"""Issue 13's zoo sweep (``--sweep`` tier, hours): resnet18, mobilenet_v2,
+"""The zoo fidelity sweep (``--sweep`` tier, hours): resnet18, mobilenet_v2,
 mobilenet_v3_small and efficientnet_b0, bias-only and fully trained, at 32, 64
 and 96 px, on SM8650 (V75) and SM8850 (V81).
 
@@ -16,7 +16,7 @@ no such flip is judged again with each side's own gate decisions
 outputs, its other outputs checked bit-identical; the HTP against fp32 on the
 HTP's gates, torch fp16 against fp32 on fp16's): it passes when the HTP's
 arithmetic is within the bound there, so that its gate decisions alone put it
-outside (mobilenet_v3_small full 32 px, session 20). Otherwise the test fails,
+outside (mobilenet_v3_small full 32 px). Otherwise the test fails,
 naming the tensor with what it exceeds. Every convolution backward must be
 delegated and only the MSE loss's ``mean`` may stay on CPU.
 
@@ -59,7 +59,7 @@ def neighbours(arch: str, scheme: str) -> int:
 
 def options(arch: str, scheme: str) -> dict[str, object]:
     """EfficientNet-B0 fully trained does not finalise as one delegate within 2 h
-    (docs/zoo.md, session 15): split at 300 ops, finalised at level 2, as measured."""
+    (docs/zoo.md): split at 300 ops, finalised at level 2, as measured."""
     if (arch, scheme) == ("efficientnet_b0", "full"):
         return {"htp_optimization": 2, "max_delegate_ops": 300}
     return {}
@@ -67,7 +67,7 @@ def options(arch: str, scheme: str) -> dict[str, object]:
 
 # Graphs measured outside with a tensor neither one flip nor its own gate decisions
 # explain, with the measured reason: strict xfails, so a case that starts to pass
-# fails until its entry goes. None since session 20.
+# fails until its entry goes. None today.
 KNOWN_OUTSIDE: dict[tuple[str, str, int, str], str] = {}
 
 

@@ -1,16 +1,21 @@
-"""Train a lowered joint program with ExecuTorch's training runtime.
+"""Train a lowered joint program with ExecuTorch's runtime and SGD optimizer.
 
-``executorch.extension.training`` loads a program whose ``to_executorch()``
-emitted the ``__et_training_*`` methods (``TrainingModule``), runs
-``forward_backward`` and hands the parameters and gradients to its SGD
-optimizer, which updates the parameters in place. A program lowered with
-this plugin keeps every trainable parameter a top-level tensor that the QNN
-delegate reads at run time (``qnn_convbwd.signature``), so the optimizer's
-update reaches the next step's delegate.
+``to_executorch()`` emits the ``__et_training_*`` methods of a joint program:
+where its outputs' gradients and parameters start, and the parameters' names.
+``TrainingSession`` loads the program once, runs its ``forward`` method and
+hands the parameters and gradients to executorch's SGD optimizer, which
+updates the parameters in place. A program lowered with this plugin keeps
+every trainable parameter a top-level tensor that the QNN delegate reads at
+run time (``qnn_convbwd.signature``), so the update reaches the next step's
+delegate. Buffers the program updates (batch norm running statistics in
+``train()``) live in the loaded method and are read and written by name;
+``state_dict`` / ``load_state_dict`` use the eager module's names.
 
-``TrainingSession`` keeps the program's bytes alive for as long as the loaded
-module runs: the runtime reads the buffer it was loaded from (freeing it
-while the module runs crashes the process).
+``lower_for_training`` goes from a module that returns its loss to a
+``TrainingProgram`` whose ``session()`` knows how to name its state.
+
+A session keeps the program's bytes (and its ``.ptd`` data file) alive for as
+long as the loaded program runs, and releases the program first (``close``).
 """
 
 from __future__ import annotations

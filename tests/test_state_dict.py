@@ -259,3 +259,28 @@ def test_session_from_bytes_alone(cpu_program):
         session.load_state_dict(_model().state_dict())
     session.load_state_dict(_model().state_dict(), strict=False)
     session.close()
+
+
+@pytest.mark.slow(reason="a second HTP lowering (external weights); test_training checks a .ptd")
+def test_external_weights_session_keeps_its_state(qnn_sdk):
+    """Parameters and constants in a .ptd beside the program: the session trains from it,
+    updated buffers are still found by name, and a new session resumes from its state."""
+    model = _model()
+    batches = _batches(3)
+    module = training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy)
+    program = training.lower_for_training(
+        module, batches[0], harness.compile_specs("SM8650"), external_weights=True
+    )
+    assert program.ptd
+    reference, _ = _torch_steps(model, batches)
+    session = program.session(LR)
+    for batch in batches:
+        session.step(batch)
+    assert set(session.buffers()) == {f"net.{n}" for n, _ in model.named_buffers()}
+    state = session.state_dict()
+    _assert_state_close(state, reference.state_dict(), rtol=1e-2, atol=1e-3)
+    resumed = program.session(LR)
+    resumed.load_state_dict(state)
+    _assert_state_close(resumed.state_dict(), state, rtol=0, atol=0)
+    session.close()
+    resumed.close()

@@ -161,6 +161,23 @@ def test_every_form_becomes_a_counter_draw(form):
     assert step.dtype == torch.int32 and step.shape == () and int(step) == 0
 
 
+@pytest.mark.parametrize(
+    "drop", [nn.Dropout(0.4), nn.Dropout(0.4, inplace=True), nn.Dropout2d(0.4)], ids=str
+)
+def test_training_ir_dropout_is_rewritten(drop):
+    """A program straight from ``torch.export`` (training IR: ``aten.dropout``,
+    ``dropout_``, ``feature_dropout``), as the stock flow's pre-decomposition hook gets
+    it: decomposed, then drawn from the counter; torch with the same mask agrees."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), drop).train()
+    x = torch.randn(2, 3, 4, 4)
+    program = torch.export.export(model, (x,), strict=True)
+    rewritten, (site,) = dropout.rewrite(program, seed=2)
+    assert not _random_ops(rewritten) and not dropout.draw_nodes(rewritten)
+    (got,) = Runner(rewritten)(x)
+    want = model[0](x) * dropout.site_mask(site, 0) / 0.6
+    torch.testing.assert_close(got, want)
+
+
 def test_eval_mode_is_left_alone():
     """In eval() dropout is absent from the exported graph: nothing to rewrite."""
     model = Head(nn.Dropout(0.5)).eval()
@@ -428,7 +445,7 @@ def _train_side_by_side(cifar_lowered, steps: int, lr: float = 0.05):
             loss = reference(*inputs)
             loss.backward()
             optimizer.step()
-            reference_losses.append(float(loss))
+            reference_losses.append(float(loss.detach()))
         parameters = {n: p.detach().clone() for n, p in session.parameters().items()}
     finally:
         session.close()

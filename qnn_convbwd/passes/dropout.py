@@ -178,6 +178,28 @@ def _bernoulli_p(node: torch.fx.Node) -> float | None:
     return float(node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5))
 
 
+# The dropout ops of a program in torch.export's training IR (``export`` before
+# ``run_decompositions``): torch's own decomposition turns them into ``native_dropout``
+# or ``bernoulli.p`` (alpha dropout: a bernoulli mask inside an affine map).
+COMPOSITE_DROPOUTS = (
+    aten.dropout.default,
+    aten.dropout_.default,
+    aten.feature_dropout.default,
+    aten.feature_dropout_.default,
+    aten.alpha_dropout.default,
+    aten.alpha_dropout_.default,
+    aten.feature_alpha_dropout.default,
+    aten.feature_alpha_dropout_.default,
+)
+
+
+def _composite_in_train_mode(node: torch.fx.Node) -> bool:
+    if node.op != "call_function" or node.target not in COMPOSITE_DROPOUTS:
+        return False
+    train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train")
+    return train is True
+
+
 def draw_nodes(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
     """The random draws ``rewrite`` replaces, in graph order."""
     return [
@@ -259,12 +281,15 @@ def rewrite(
     program: torch.export.ExportedProgram, seed: int | None = None
 ) -> tuple[torch.export.ExportedProgram, list[Site]]:
     """A copy of ``program`` with its dropout draws replaced (``program`` itself, and no
-    sites, when it has none); ``seed`` None draws one from torch's RNG."""
-    found = draw_nodes(program)
-    if not found:
+    sites, when it has none); ``seed`` None draws one from torch's RNG. A program in
+    torch.export's training IR has its train-mode dropout ops decomposed first."""
+    if any(_composite_in_train_mode(n) for n in program.graph.nodes):
+        program = program.run_decompositions({})  # a new program: the caller's is unchanged
+    elif draw_nodes(program):
+        program = copy.deepcopy(program)
+    if not draw_nodes(program):
         return program, []
     seed = _seed(seed)
-    program = copy.deepcopy(program)
     graph = program.graph
     found = draw_nodes(program)
     fake_mode = integration.get("detect_fake_mode")(

@@ -146,6 +146,11 @@ def _check_pool_indices_stay_inside(edge_program) -> None:
                 )
 
 
+def _prepare(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """The train-mode rewrites of the ATen program, with the current options."""
+    return train_mode.prepare(program, dropout_seed=options.current.dropout_seed)
+
+
 def _hooks() -> integration.Hooks:
     from .builders import op_max_pool_backward, op_max_pool_with_indices
     from .builders.op_convolution import define_convolution
@@ -185,7 +190,7 @@ def _hooks() -> integration.Hooks:
         (op_max_pool_with_indices.TARGET, op_max_pool_with_indices.define_max_pool),
         (op_max_pool_with_indices.CAST_TARGET, op_max_pool_with_indices.define_indices_cast),
     )
-    hooks.pre_decomposition = train_mode.prepare
+    hooks.pre_decomposition = _prepare
     hooks.training_metadata = signature.runtime_training_metadata
     hooks.after_partition = _after_partition
     hooks.after_build = functools.partial(
@@ -449,7 +454,7 @@ def _qualcomm_passes(program, compiler_specs, skip_node_id_set=None, skip_node_o
     graph's scalar comparisons became tensor ones), so they run on a copy: the
     caller's program stays as it was, to be lowered again or judged.
     """
-    program = train_mode.prepare(copy.deepcopy(program))
+    program = _prepare(copy.deepcopy(program))
     backend = integration.get("flatbuffer_to_option")(
         integration.get("generate_qnn_executorch_option")(compiler_specs)
     ).backend_options.backend_type

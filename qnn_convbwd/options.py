@@ -119,6 +119,10 @@ class Options:
     # per partition, as executorch makes them. A smaller graph finalises much faster
     # in QAIRT (docs/zoo.md); each cut adds delegate inputs and outputs.
     max_delegate_ops: int | None = None
+    # Seed of the train-mode dropout masks (passes.dropout): each draw's hash keys
+    # derive from it. None: drawn from torch's RNG when the program is lowered
+    # (``torch.manual_seed`` then makes a lowering reproducible).
+    dropout_seed: int | None = None
 
     def __post_init__(self) -> None:
         for field, choices in (
@@ -149,6 +153,13 @@ class Options:
             raise ValueError(
                 f"qnn_convbwd option max_delegate_ops={self.max_delegate_ops!r} must be None "
                 "or a positive int"
+            )
+        if self.dropout_seed is not None and (
+            type(self.dropout_seed) is not int or not 0 <= self.dropout_seed < 2**63
+        ):
+            raise ValueError(
+                f"qnn_convbwd option dropout_seed={self.dropout_seed!r} must be None or an "
+                "int in [0, 2**63)"
             )
         if isinstance(self.loss_scale, int) and not isinstance(self.loss_scale, bool):
             object.__setattr__(self, "loss_scale", float(self.loss_scale))  # 256 as 256.0

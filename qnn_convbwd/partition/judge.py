@@ -265,18 +265,26 @@ def _state_nodes(graph: torch.fx.Graph, program) -> dict[torch.fx.Node, str]:
         elif all(o in constant or o in state for o in operands):
             state.add(n)
             found[n] = FROM_STATE
+    # Constant ops read only by the state (a draw's element indices): with it on CPU.
+    for n in reversed(graph.nodes):
+        if n.op != "call_function" or n not in constant or not n.users:
+            continue
+        if all(user in found for user in n.users):
+            found[n] = FEEDS_STATE
     return found
 
 
 UPDATES_STATE = "computes the next value of a mutated buffer, in fp32 on CPU"
 FROM_STATE = "computed from mutated buffers and constants alone: a CPU input of the delegate"
+FEEDS_STATE = "a constant read only by the program's state, computed with it"
 
 
 @graph_rule
 def program_state_on_cpu(node, context):
     """The program's state stays on CPU: the running statistics' moving averages and a
     counter's increment (only the next value of a mutated buffer), and what is computed
-    from the state alone (a random draw from a step counter). On the HTP a buffer's
+    from the state alone (a random draw from a step counter), with the constants only
+    the state reads (the draw's element indices). On the HTP a buffer's
     update would run in fp16, and a buffer read or written inside a delegate is not a
     buffer of the program (executorch then fails to emit it); on CPU it stays one, and
     the delegate takes what the update reads as an ordinary input or output."""

@@ -1,4 +1,5 @@
-"""Train-mode batch norm as core ATen ops, before executorch decomposes the graph.
+"""Train-mode batch norm as core ATen ops, before executorch decomposes the graph
+(``prepare`` first rewrites train-mode dropout: ``passes/dropout.py``).
 
 A joint graph of a model in ``train()`` normalises with the batch's statistics
 (``aten._native_batch_norm_legit_functional``, or ``aten._native_batch_norm_legit.no_stats``
@@ -35,6 +36,8 @@ import types
 from collections.abc import Iterator
 
 import torch
+
+from . import dropout
 
 logger = logging.getLogger(__name__)
 
@@ -138,12 +141,17 @@ def train_mode_nodes(program: torch.export.ExportedProgram) -> list[torch.fx.Nod
     return [n for n in program.graph.nodes if n.op == "call_function" and n.target in table]
 
 
-def prepare(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``program`` with its train-mode batch norms decomposed (itself when it has none).
+def prepare(
+    program: torch.export.ExportedProgram, dropout_seed: int | None = None
+) -> torch.export.ExportedProgram:
+    """``program`` with its train-mode dropout draws rewritten (``passes.dropout``, keys
+    from ``dropout_seed``) and its train-mode batch norms decomposed (itself when it
+    has neither).
 
     Runs on the ATen program, before executorch's own decompositions
     (``QnnPartitioner.transform_for_pre_decomposition``, and ``qnn_convbwd.lower``).
     """
+    program, _ = dropout.rewrite(program, dropout_seed)
     found = train_mode_nodes(program)
     if not found:
         return program

@@ -137,6 +137,26 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "_get_training_metadata",
         "patched: a joint program's gradient and parameter indices skip buffer mutations",
     ),
+    (
+        "executorch.extension.pybindings.portable_lib",
+        "_load_program_from_buffer",
+        "training sessions: one loaded program whose methods keep their state",
+    ),
+    (
+        "executorch.extension.pybindings.portable_lib",
+        "ExecuTorchMethod.get_attribute",
+        "training sessions: updated buffers read and written by name",
+    ),
+    (
+        "executorch.extension.pybindings.portable_lib",
+        "ExecuTorchMethod.get_outputs",
+        "training sessions: the parameter tensors before the first step",
+    ),
+    (
+        "executorch.exir._serialize._program",
+        "deserialize_pte_binary",
+        "training sessions: names of the buffers a program updates",
+    ),
     ("executorch.exir", "to_edge_transform_and_lower", "lower()"),
     (f"{_QC}.partition.qnn_partitioner", "QnnPartitioner", "lower()"),
     (f"{_QC}._passes.qnn_pass_manager", "get_qnn_pass_manager_cls", "lower()"),

@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
+
+from . import integration
 
 
 class WithLoss(torch.nn.Module):
@@ -52,8 +56,116 @@ def export_joint(module: torch.nn.Module, inputs: tuple) -> torch.export.Exporte
     return _export_forward_backward(exported)
 
 
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """How a program's tensors are named in the eager module's ``state_dict``.
+
+    ``prefix``: what the program's names carry in front of the eager module's
+    (``"net."`` for a ``WithLoss``). ``constants``: eager name -> value of every
+    parameter and persistent buffer baked into the program (frozen parameters,
+    buffers the program does not update). ``transient``: program names of the
+    updated buffers that are not persistent (not part of a ``state_dict``).
+    """
+
+    prefix: str = ""
+    constants: Mapping[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    transient: frozenset[str] = frozenset()
+
+    def eager_name(self, fqn: str) -> str:
+        return fqn[len(self.prefix) :] if self.prefix and fqn.startswith(self.prefix) else fqn
+
+    @classmethod
+    def from_program(
+        cls, joint: torch.export.ExportedProgram, prefix: str | None = None
+    ) -> StateLayout:
+        """The layout of a program lowered from ``joint`` (``export_joint``'s result).
+
+        ``prefix`` defaults to the first name component every parameter and buffer shares.
+        """
+        from torch.export.graph_signature import InputKind
+
+        signature = joint.graph_signature
+        specs = [
+            s for s in signature.input_specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)
+        ]
+        if prefix is None:
+            prefix = shared_prefix([s.target for s in specs])
+        trainable = set(signature.parameters) & {
+            s.target for s in signature.output_specs if s.kind.name == "GRADIENT_TO_PARAMETER"
+        }
+        mutated = set(signature.buffers_to_mutate.values())
+        layout = cls(prefix)
+        values = {**joint.state_dict, **joint.constants}
+        constants = {
+            layout.eager_name(s.target): values[s.target].detach().clone()
+            for s in specs
+            if s.target not in trainable
+            and s.target not in mutated
+            and (s.kind == InputKind.PARAMETER or s.persistent)
+        }
+        transient = (
+            frozenset(s.target for s in specs if s.kind == InputKind.BUFFER and not s.persistent)
+            & mutated
+        )
+        return cls(prefix, constants, transient)
+
+
+def shared_prefix(names: Sequence[str]) -> str:
+    """``"net."`` when every name starts with ``net.`` (a loss wrapper's attribute), else
+    ``""``."""
+    heads = {name.split(".", 1)[0] for name in names if "." in name}
+    if len(heads) == 1 and all("." in name for name in names):
+        return heads.pop() + "."
+    return ""
+
+
+class StateDictError(ValueError):
+    """A state dict that does not fit the program (names, shapes or baked-in values)."""
+
+
+class _LoadedProgram:
+    """A program loaded with executorch's pybindings, its methods loaded once each.
+
+    ``run_method`` mirrors ``ExecuTorchModule.run_method``, so executorch's
+    ``TrainingModule`` can drive the same loaded methods (and see the same state).
+    """
+
+    def __init__(self, pte: bytes, data_path: str | None) -> None:
+        load = integration.get("_load_program_from_buffer")
+        self.program = load(pte, data_path=data_path) if data_path else load(pte)
+        self._methods: dict = {}
+
+    def method(self, name: str):
+        if name not in self._methods:
+            self._methods[name] = self.program.load_method(name)
+        return self._methods[name]
+
+    def run_method(self, name: str, inputs: Sequence = (), clone_outputs: bool = True) -> list:
+        return self.method(name).call(list(inputs), clone_outputs=clone_outputs)
+
+
+def _mutable_buffer_names(pte: bytes) -> list[str]:
+    """Names of the tensors of ``forward`` stored in the program's mutable data segment
+    (emitted with ``emit_mutable_buffer_names=True``): the buffers the program updates."""
+    result = integration.get("deserialize_pte_binary")(pte)
+    program = getattr(result, "program", result)
+    (plan,) = [p for p in program.execution_plan if p.name == "forward"]
+    names = []
+    for value in plan.values:
+        info = getattr(value.val, "extra_tensor_info", None)
+        if info is not None and info.fully_qualified_name and info.location.name == "SEGMENT":
+            names.append(info.fully_qualified_name)
+    return names
+
+
 class TrainingSession:
-    """A program loaded by ``TrainingModule``, with ExecuTorch's SGD optimizer."""
+    """A lowered joint program loaded by executorch's runtime, trained with its SGD.
+
+    Each ``step`` runs the program's ``forward`` method (loss, gradients, and the
+    parameters it read), then executorch's SGD optimizer updates the runtime's own
+    parameter tensors in place; buffers the program updates (batch norm running
+    statistics) stay in the method between steps and are read and written by name.
+    """
 
     def __init__(
         self,
@@ -61,54 +173,159 @@ class TrainingSession:
         lr: float,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
         ptd: bytes | None = None,
+        *,
+        layout: StateLayout | None = None,
     ):
-        """``ptd``: the tensor data file of a program exported with external weights
-        (``ExecutorchBackendConfig(external_mutable_weights=True, ...)``)."""
-        from executorch.extension.pybindings.portable_lib import (
-            _load_for_executorch_from_buffer,
-        )
+        """SGD options as ``torch.optim.SGD``'s. ``ptd``: the tensor data file of a program
+        exported with external weights (``ExecutorchBackendConfig(external_mutable_weights=
+        True, ...)``). ``layout``: how ``state_dict`` names the tensors (``lower_for_training``
+        passes it); without it, names lose the prefix they all share and the state holds
+        only what the program updates."""
         from executorch.extension.training import TrainingModule
 
-        # The runtime reads these buffers while the module runs: keep them alive, and
-        # let the module go first (``close``; attributes are released in the order
-        # they were set, so the module is set before the buffers).
-        pte, ptd = bytes(pte), None if ptd is None else bytes(ptd)
-        self.module = TrainingModule(_load_for_executorch_from_buffer(pte, ptd))
-        self.pte, self.ptd = pte, ptd
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("nesterov momentum requires a momentum and zero dampening")
+        # The runtime reads these buffers while the program runs: keep them alive, and
+        # let the program go first (``close``).
+        pte = bytes(pte)
+        self.pte, self.ptd = pte, None if ptd is None else bytes(ptd)
+        self._data_file = None
+        if self.ptd is not None:
+            self._data_file = tempfile.NamedTemporaryFile(suffix=".ptd")
+            self._data_file.write(self.ptd)
+            self._data_file.flush()
+        self._loaded = _LoadedProgram(pte, self._data_file and self._data_file.name)
+        # executorch's TrainingModule over the same loaded methods.
+        self.module = TrainingModule(self._loaded)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
+        self.dampening, self.nesterov = dampening, nesterov
+
+        self._forward = self._loaded.method("forward")
+        self._gradients_at = self._loaded.run_method("__et_training_gradients_index_forward")[0]
+        self._parameters_at = self._loaded.run_method("__et_training_parameters_index_forward")[0]
+        self._fqns = list(self._loaded.run_method("__et_training_fqn_forward"))
+        # Before the first execution the method's outputs already hold the parameter
+        # tensors it reads (the same memory every step writes and the optimizer updates).
+        outputs = self._forward.get_outputs(clone_outputs=False)
+        self._parameters = dict(zip(self._fqns, outputs[self._parameters_at :]))
+        self._buffer_names = [n for n in _mutable_buffer_names(pte) if n not in self._parameters]
+        if layout is None:
+            layout = StateLayout(shared_prefix([*self._fqns, *self._buffer_names]))
+        self.layout = layout
+        self._gradients: dict[str, torch.Tensor] | None = None
         self._optimizer = None
 
     def close(self) -> None:
-        """Release the loaded module, then the program's buffers (in that order)."""
-        self.__dict__.pop("_optimizer", None)
-        self.__dict__.pop("module", None)
+        """Release the loaded program, then the bytes it was loaded from (in that order)."""
+        for name in ("_optimizer", "_gradients", "_parameters", "_forward", "module", "_loaded"):
+            self.__dict__.pop(name, None)
+        data_file = self.__dict__.pop("_data_file", None)
+        if data_file is not None:
+            data_file.close()
 
     def __del__(self) -> None:
         self.close()
 
     def forward_backward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """User outputs (the loss first); gradients in ``gradients()``."""
-        return self.module.forward_backward("forward", list(inputs))
+        outputs = self._forward.call(list(inputs), clone_outputs=False)
+        user = [
+            o.clone() if isinstance(o, torch.Tensor) else o for o in outputs[: self._gradients_at]
+        ]
+        self._gradients = dict(zip(self._fqns, outputs[self._gradients_at : self._parameters_at]))
+        return user
 
     def gradients(self) -> dict[str, torch.Tensor]:
-        return self.module.named_gradients()
+        """The last ``forward_backward``'s gradients (copies)."""
+        if self._gradients is None:
+            raise RuntimeError("no gradients before the first forward_backward")
+        return {name: g.clone() for name, g in self._gradients.items()}
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The runtime's own parameter tensors (the optimizer updates these in place)."""
-        return self.module.named_parameters()
+        """The runtime's own trainable parameter tensors, by program name (the optimizer
+        updates these in place; writing into them changes the next step's)."""
+        return dict(self._parameters)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Current values (copies) of the buffers the program updates, by program name."""
+        return {name: self._forward.get_attribute(name).clone() for name in self._buffer_names}
 
     def step(self, inputs: Sequence[torch.Tensor]) -> float:
         """One forward_backward and one SGD step; returns the loss."""
-        from executorch.extension.training import get_sgd_optimizer
-
         outputs = self.forward_backward(inputs)
         if self._optimizer is None:
+            from executorch.extension.training import get_sgd_optimizer
+
             self._optimizer = get_sgd_optimizer(
-                self.parameters(), self.lr, self.momentum, 0.0, self.weight_decay, False
+                self._parameters,
+                self.lr,
+                self.momentum,
+                self.dampening,
+                self.weight_decay,
+                self.nesterov,
             )
-        self._optimizer.step(self.gradients())
+        self._optimizer.step(self._gradients)
         return float(outputs[0])
+
+    def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """Eager name -> (kind, the tensor the state lives in)."""
+        eager = self.layout.eager_name
+        targets = {eager(n): ("parameter", t) for n, t in self._parameters.items()}
+        for name in self._buffer_names:
+            if name not in self.layout.transient:
+                targets[eager(name)] = ("buffer", self._forward.get_attribute(name))
+        for name, value in self.layout.constants.items():
+            targets[name] = ("constant", value)
+        return targets
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer under the eager module's names (copies):
+        trainable parameters and updated buffers from the runtime, the rest as baked
+        into the program (``layout.constants``)."""
+        return {name: t.detach().clone() for name, (_, t) in self._targets().items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Set the trainable parameters and updated buffers in the runtime (training goes
+        on from there). Values of constants must equal those baked into the program.
+        Nothing is written unless every name, shape and constant fits."""
+        targets = self._targets()
+        problems = []
+        if strict:
+            missing = sorted(set(targets) - set(state))
+            unexpected = sorted(set(state) - set(targets))
+            if missing:
+                problems.append(f"missing: {missing}")
+            if unexpected:
+                problems.append(f"unexpected (not in the program): {unexpected}")
+        shapes = [
+            f"{name}: {tuple(value.shape)} in the state, {tuple(targets[name][1].shape)} in the "
+            "program"
+            for name, value in state.items()
+            if name in targets and tuple(value.shape) != tuple(targets[name][1].shape)
+        ]
+        if shapes:
+            problems.append("shape mismatch: " + "; ".join(shapes))
+        if problems:
+            raise StateDictError("state dict does not fit the program: " + "; ".join(problems))
+        changed = sorted(
+            name
+            for name, value in state.items()
+            if name in targets
+            and targets[name][0] == "constant"
+            and not torch.equal(value.detach().to(targets[name][1].dtype), targets[name][1])
+        )
+        if changed:
+            raise StateDictError(
+                f"these values are baked into the program as constants and differ: {changed}; "
+                "they cannot change without lowering the program again"
+            )
+        with torch.no_grad():
+            for name, value in state.items():
+                if name in targets and targets[name][0] != "constant":
+                    targets[name][1].copy_(value.detach())
 
 
 @dataclasses.dataclass
@@ -189,3 +406,61 @@ def train_side_by_side(
     del params
     session.close()
     return TrainingRun(records, updates)
+
+
+@dataclasses.dataclass
+class TrainingProgram:
+    """A joint program lowered for training: the edge program, ``lower()``'s report, the
+    ``.pte`` bytes and how its state is named."""
+
+    edge: Any  # executorch's EdgeProgramManager
+    report: Any  # qnn_convbwd.Report
+    pte: bytes
+    lowering_seconds: float  # export_joint + lower + to_executorch
+    layout: StateLayout
+
+    def session(
+        self,
+        lr: float,
+        momentum: float = 0.0,
+        weight_decay: float = 0.0,
+        dampening: float = 0.0,
+        nesterov: bool = False,
+    ) -> TrainingSession:
+        """A fresh runtime of this program, from the module's initial values."""
+        return TrainingSession(
+            self.pte,
+            lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            dampening=dampening,
+            nesterov=nesterov,
+            layout=self.layout,
+        )
+
+
+def lower_for_training(
+    module: torch.nn.Module, inputs: tuple, specs: list, **lower_options: Any
+) -> TrainingProgram:
+    """``export_joint`` + ``qnn_convbwd.lower`` + ``to_executorch``: a program to train.
+
+    ``module(*inputs)`` returns the loss (a ``WithLoss``, say); its state is named
+    as the wrapped module's (``net.conv1.weight`` -> ``conv1.weight``) when all of
+    it lives under one attribute. ``lower_options`` go to ``qnn_convbwd.lower``.
+    Buffers the program updates are emitted with their names, so a session reads
+    and writes them.
+    """
+    from executorch.exir import ExecutorchBackendConfig
+
+    from .api import enabled, lower
+
+    start = time.perf_counter()
+    joint = export_joint(module, inputs)
+    result = lower(joint, specs, **lower_options)
+    # Under enabled(): the training metadata of a program that updates buffers.
+    with enabled():
+        program = result.edge.to_executorch(ExecutorchBackendConfig(emit_mutable_buffer_names=True))
+    seconds = time.perf_counter() - start
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    layout = StateLayout.from_program(joint, shared_prefix(names))
+    return TrainingProgram(result.edge, result.report, bytes(program.buffer), seconds, layout)

@@ -324,6 +324,10 @@ class FitResult:
     dropped_per_epoch: int  # training samples past the last full batch (tensor data)
     steps: list[Step] = dataclasses.field(default_factory=list)
     evaluations: list[Evaluation] = dataclasses.field(default_factory=list)
+    # The trained models' state_dicts (the scheme's model's names): the program's
+    # (``session.state_dict()``) and torch's, after the last step.
+    program_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    torch_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     @property
     def mean_step_seconds(self) -> float:
@@ -496,6 +500,8 @@ def fit(
                     on_progress(result, total, evaluation)
                 if done < total:
                     x, y = next(batches)
+        result.program_state = session.state_dict()
+        result.torch_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     finally:
         session.close()
     return result

@@ -138,9 +138,13 @@ def summary(result: finetune.FitResult, png: Path | None) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..toolchain import SdkUnavailable, ensure_sdk
+
     try:
         data = finetune.digits(args.size, args.seed)
-    except finetune.MissingDependency as err:
+        # The CPU-only program is lowered through the QNN partitioner too (for SM8350).
+        ensure_sdk()
+    except (finetune.MissingDependency, SdkUnavailable) as err:
         print(f"qnn-convbwd finetune: {err}", file=sys.stderr)
         return 2
     model = finetune.architecture(args.arch, seed=args.seed)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .. import finetune
 
-DEFAULT_LR = 0.05
+DEFAULT_LR, DEFAULT_MOMENTUM = 0.02, 0.9
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--eval-every", type=int, help="steps between test evaluations (default: an epoch)"
     )
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"default {DEFAULT_LR}")
-    parser.add_argument("--momentum", type=float, default=0.0)
+    parser.add_argument(
+        "--momentum", type=float, default=DEFAULT_MOMENTUM, help=f"default {DEFAULT_MOMENTUM}"
+    )
     parser.add_argument("--weight-decay", type=float, default=0.0)
     parser.add_argument("--soc", default="SM8650", help="target SoC (default SM8650, HTP V75)")
     parser.add_argument("--size", type=int, default=32, help="image size (default 32)")

@@ -1,16 +1,21 @@
-"""Train a lowered joint program with ExecuTorch's training runtime.
+"""Train a lowered joint program with ExecuTorch's runtime and SGD optimizer.
 
-``executorch.extension.training`` loads a program whose ``to_executorch()``
-emitted the ``__et_training_*`` methods (``TrainingModule``), runs
-``forward_backward`` and hands the parameters and gradients to its SGD
-optimizer, which updates the parameters in place. A program lowered with
-this plugin keeps every trainable parameter a top-level tensor that the QNN
-delegate reads at run time (``qnn_convbwd.signature``), so the optimizer's
-update reaches the next step's delegate.
+``to_executorch()`` emits the ``__et_training_*`` methods of a joint program:
+where its outputs' gradients and parameters start, and the parameters' names.
+``TrainingSession`` loads the program once, runs its ``forward`` method and
+hands the parameters and gradients to executorch's SGD optimizer, which
+updates the parameters in place. A program lowered with this plugin keeps
+every trainable parameter a top-level tensor that the QNN delegate reads at
+run time (``qnn_convbwd.signature``), so the update reaches the next step's
+delegate. Buffers the program updates (batch norm running statistics in
+``train()``) live in the loaded method and are read and written by name;
+``state_dict`` / ``load_state_dict`` use the eager module's names.
 
-``TrainingSession`` keeps the program's bytes alive for as long as the loaded
-module runs: the runtime reads the buffer it was loaded from (freeing it
-while the module runs crashes the process).
+``lower_for_training`` goes from a module that returns its loss to a
+``TrainingProgram`` whose ``session()`` knows how to name its state.
+
+A session keeps the program's bytes (and its ``.ptd`` data file) alive for as
+long as the loaded program runs, and releases the program first (``close``).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import dataclasses
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -418,6 +424,7 @@ class TrainingProgram:
     pte: bytes
     lowering_seconds: float  # export_joint + lower + to_executorch
     layout: StateLayout
+    ptd: bytes | None = None  # the tensor data file, with external_weights=True
 
     def session(
         self,
@@ -435,12 +442,18 @@ class TrainingProgram:
             weight_decay=weight_decay,
             dampening=dampening,
             nesterov=nesterov,
+            ptd=self.ptd,
             layout=self.layout,
         )
 
 
 def lower_for_training(
-    module: torch.nn.Module, inputs: tuple, specs: list, **lower_options: Any
+    module: torch.nn.Module,
+    inputs: tuple,
+    specs: list,
+    *,
+    external_weights: bool = False,
+    **lower_options: Any,
 ) -> TrainingProgram:
     """``export_joint`` + ``qnn_convbwd.lower`` + ``to_executorch``: a program to train.
 
@@ -448,7 +461,8 @@ def lower_for_training(
     as the wrapped module's (``net.conv1.weight`` -> ``conv1.weight``) when all of
     it lives under one attribute. ``lower_options`` go to ``qnn_convbwd.lower``.
     Buffers the program updates are emitted with their names, so a session reads
-    and writes them.
+    and writes them. ``external_weights``: parameters and constants go to a
+    ``.ptd`` beside the program (``TrainingProgram.ptd``).
     """
     from executorch.exir import ExecutorchBackendConfig
 
@@ -458,9 +472,25 @@ def lower_for_training(
     joint = export_joint(module, inputs)
     result = lower(joint, specs, **lower_options)
     # Under enabled(): the training metadata of a program that updates buffers.
+    config = ExecutorchBackendConfig(
+        emit_mutable_buffer_names=True,
+        external_mutable_weights=external_weights,
+        external_constants=external_weights,
+    )
     with enabled():
-        program = result.edge.to_executorch(ExecutorchBackendConfig(emit_mutable_buffer_names=True))
+        program = result.edge.to_executorch(config)
+    ptd = _tensor_data(program) if external_weights else None
     seconds = time.perf_counter() - start
     names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
     layout = StateLayout.from_program(joint, shared_prefix(names))
-    return TrainingProgram(result.edge, result.report, bytes(program.buffer), seconds, layout)
+    return TrainingProgram(result.edge, result.report, bytes(program.buffer), seconds, layout, ptd)
+
+
+def _tensor_data(program: Any) -> bytes:
+    """The one ``.ptd`` an ExecutorchProgramManager writes for its external tensors."""
+    with tempfile.TemporaryDirectory() as folder:
+        program.write_tensor_data_to_file(folder)
+        files = sorted(Path(folder).glob("*.ptd"))
+        if len(files) != 1:
+            raise RuntimeError(f"expected one tensor data file, executorch wrote {files}")
+        return files[0].read_bytes()

@@ -1,4 +1,4 @@
-"""``qnn-convbwd`` command line: doctor, demo, train, bench, fidelity, cost."""
+"""``qnn-convbwd`` command line: doctor, demo, train, finetune, bench, fidelity, cost."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ COMMANDS = {
         "qnn_convbwd.tools.train_cli",
         "train a model with TrainingModule + SGD next to torch",
     ),
+    "finetune": (
+        "qnn_convbwd.tools.finetune_cli",
+        "fine-tune a classifier on scikit-learn's digits in train mode, next to torch",
+    ),
     "bench": ("qnn_convbwd.tools.bench", "benchmark training graphs with and without the plugin"),
     "fidelity": (
         "qnn_convbwd.tools.fidelity_cli",
@@ -44,6 +48,7 @@ LONG_CALLS = (
     ("qnn_convbwd.toolchain.harness", "run_pte", "running on the HTP simulator"),
     ("qnn_convbwd.api", "lower", "lowering"),
     ("qnn_convbwd.training", "train_side_by_side", "training on the HTP simulator"),
+    ("qnn_convbwd.training", "lower_for_training", "lowering"),
     ("qnn_convbwd.toolchain.saver", "record", "recording with the Saver backend"),
     ("qnn_convbwd.toolchain.sdk", "probe_in_subprocess", "checking in a child process"),
 )

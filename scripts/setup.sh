@@ -25,7 +25,8 @@ if ! python -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "
 fi
 pip_install -e '.[dev]'
 # Test dependency: only CUDA wheels of torchvision 0.28.0 (paired with torch 2.13.0) are
-# served; --no-deps keeps the CPU torch. Its C ops do not load; tests/zoo.py copes.
+# served; --no-deps keeps the CPU torch. Its C ops do not load;
+# qnn_convbwd/torchvision_import.py copes.
 pip_install --no-deps torchvision==0.28.0
 site=$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 # compileall exits non-zero when any module fails to compile; pip ignores those as well

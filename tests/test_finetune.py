@@ -1,0 +1,228 @@
+"""``qnn_convbwd.finetune`` and ``qnn-convbwd finetune``: digits, schemes, fit next to torch.
+
+The quick tier trains a small ConvBn classifier on 8x8 digits (its own size) for a
+few steps; the slow tier trains ExecuTorch's CIFAR-10 example on the simulator.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from qnn_convbwd import cli, finetune
+from qnn_convbwd.torchvision_import import TorchvisionUnavailable
+
+
+def small_net(seed: int = 0) -> nn.Module:
+    """Two strided ConvBn blocks, average pool and a linear head: batch norm in train mode,
+    no dropout (so both sides compute the same step)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
+
+
+@pytest.fixture(scope="module")
+def digits8():
+    return finetune.digits(size=8)
+
+
+# --- digits ---------------------------------------------------------------------------
+
+
+def test_digits_split_sizes_and_values():
+    from sklearn.datasets import load_digits
+
+    data = finetune.digits(size=32, seed=0)
+    (x, y), (tx, ty) = data.train, data.test
+    assert x.shape == (1500, 3, 32, 32) and tx.shape == (297, 3, 32, 32)
+    assert y.dtype == torch.int64 and y.shape == (1500,) and ty.shape == (297,)
+    assert 0.0 <= float(x.min()) and float(x.max()) <= 1.0
+    assert torch.equal(x[:, 0], x[:, 1]) and torch.equal(x[:, 0], x[:, 2])
+    # Together the two parts are the whole data set, each digit once.
+    counts = torch.bincount(torch.cat([y, ty]), minlength=10)
+    assert torch.equal(counts, torch.bincount(torch.tensor(load_digits().target), minlength=10))
+
+
+def test_digits_native_size_is_the_scaled_original():
+    from sklearn.datasets import load_digits
+
+    x, _ = finetune.digits(size=8, seed=0).train
+    originals = torch.tensor(load_digits().images, dtype=torch.float32) / 16.0
+    # every training image is one of the originals, scaled to [0, 1]
+    flat = originals.flatten(1)
+    for image in x[:20, 0]:
+        assert (flat - image.flatten()).abs().amax(dim=1).min() < 1e-6
+
+
+def test_digits_deterministic_by_seed():
+    a, b, c = finetune.digits(16, seed=3), finetune.digits(16, seed=3), finetune.digits(16, seed=4)
+    assert torch.equal(a.train[0], b.train[0]) and torch.equal(a.test[1], b.test[1])
+    assert not torch.equal(a.train[1], c.train[1])
+
+
+# --- schemes --------------------------------------------------------------------------
+
+ARCHS = ["cifar", "resnet18", "mobilenet_v2", "mobilenet_v3_small", "shufflenet_v2_x0_5"]
+# arch -> (the head, a parameter of the last block, a bias-free batch-norm weight or None)
+EXPECTED = {
+    "cifar": ("classifier.3", "features.6.weight", None),
+    "resnet18": ("fc", "layer4.1.bn2.weight", "layer1.0.bn1.weight"),
+    "mobilenet_v2": ("classifier.1", "features.18.0.weight", "features.1.conv.0.1.weight"),
+    "mobilenet_v3_small": ("classifier.3", "features.12.0.weight", "features.0.1.weight"),
+    "shufflenet_v2_x0_5": ("fc", "conv5.0.weight", "stage2.0.branch1.1.weight"),
+}
+
+
+def build(arch: str) -> nn.Module:
+    try:
+        return finetune.architecture(arch, classes=10, seed=0)
+    except TorchvisionUnavailable as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_schemes_select_parameters(arch):
+    head, last_block, norm_weight = EXPECTED[arch]
+    names = [n for n, _ in build(arch).named_parameters()]
+    trained = {
+        s: set(finetune.trainable_names(finetune.apply_scheme(build(arch), s)))
+        for s in ("full", "bias-only", "last-layers")
+    }
+    assert trained["full"] == set(names)
+    assert {f"{head}.weight", f"{head}.bias"} <= trained["bias-only"]
+    assert all(n.endswith(".bias") or n.startswith(f"{head}.") for n in trained["bias-only"])
+    assert {n for n in names if n.endswith(".bias")} <= trained["bias-only"]
+    if norm_weight is not None:  # batch-norm biases train, their weights do not
+        assert norm_weight not in trained["bias-only"]
+        assert norm_weight.replace(".weight", ".bias") in trained["bias-only"]
+    assert last_block in trained["last-layers"] and f"{head}.weight" in trained["last-layers"]
+    assert "features.0.weight" not in trained["last-layers"]  # the stem stays frozen
+    assert len(trained["last-layers"]) < len(names)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_adapter_starts_as_the_backbone_and_trains_only_adapters_and_head(arch):
+    net = build(arch).eval()
+    x = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = net(x)
+    adapted = finetune.apply_scheme(net, "adapter").eval()
+    adapters = [m for m in adapted.modules() if isinstance(m, finetune.ResidualAdapter)]
+    assert len(adapters) == finetune.ADAPTED_BLOCKS
+    with torch.no_grad():
+        assert torch.equal(adapted(x), before)
+    head = EXPECTED[arch][0]
+    trained = finetune.trainable_names(adapted)
+    assert len(trained) == 2 * finetune.ADAPTED_BLOCKS + 2
+    assert all(".adapter." in n or n.startswith(f"{head}.") for n in trained)
+    # The zero-initialised adapters get a gradient through the frozen backbone.
+    nn.functional.cross_entropy(adapted(x), torch.tensor([1, 2])).backward()
+    assert all(float(a.adapter.weight.grad.abs().sum()) > 0 for a in adapters)
+
+
+def test_unknown_scheme_and_architecture():
+    with pytest.raises(ValueError, match="one of full, last-layers, bias-only, adapter"):
+        finetune.apply_scheme(small_net(), "everything")
+    try:
+        with pytest.raises(ValueError, match="unknown architecture 'resnet5'"):
+            finetune.architecture("resnet5")
+    except TorchvisionUnavailable as err:
+        pytest.skip(str(err))
+
+
+# --- fit ------------------------------------------------------------------------------
+
+
+def assert_tracks_torch(result: finetune.FitResult, tolerance: float) -> None:
+    for index, step in enumerate(result.steps):
+        gap = abs(step.program_loss - step.torch_loss)
+        assert gap <= tolerance * max(1.0, abs(step.torch_loss)), (index, step)
+    # The program's running statistics moved as torch's (train-mode batch norm).
+    for name in ("1.running_mean", "1.running_var", "4.running_var"):
+        ours, theirs = result.program_state[name], result.torch_state[name]
+        assert not torch.equal(theirs, small_net()[int(name[0])].get_buffer(name[2:]))
+        assert torch.allclose(ours, theirs, rtol=tolerance, atol=tolerance), name
+    assert int(result.program_state["1.num_batches_tracked"]) == len(result.steps)
+
+
+def test_fit_cpu_only_program_tracks_torch(digits8):
+    result = finetune.fit(
+        small_net(),
+        digits8.train,
+        digits8.test,
+        batch=8,
+        steps=4,
+        eval_every=2,
+        lr=0.1,
+        momentum=0.9,
+        cpu_only=True,
+    )
+    assert result.delegates == 0 and result.cpu_only
+    assert [e.step for e in result.evaluations] == [0, 2, 4]
+    assert result.dropped_per_epoch == 1500 % 8
+    assert_tracks_torch(result, 1e-4)
+    final = result.evaluations[-1]
+    assert abs(final.program_accuracy - final.torch_accuracy) <= 2 / 297
+
+
+@pytest.mark.htp
+def test_fit_on_the_simulator_tracks_torch(digits8, qnn_sdk):
+    result = finetune.fit(small_net(), digits8.train, digits8.test, batch=8, steps=3, lr=0.1)
+    assert result.delegates >= 1 and not result.cpu_only
+    assert_tracks_torch(result, 3e-2)
+    assert result.mean_step_seconds > 0
+
+
+def test_fit_drops_odd_sized_loader_batches(digits8):
+    x, y = digits8.train
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x[:20], y[:20]), batch_size=8
+    )  # 8, 8 and a last batch of 4
+    result = finetune.fit(small_net(), loader, digits8.test, batch=8, epochs=2, cpu_only=True)
+    assert len(result.steps) == 4 and [e.step for e in result.evaluations] == [0, 2, 4]
+
+
+def test_cli_end_to_end_writes_png(tmp_path, monkeypatch, capsys):
+    """The command on 8x8 digits with the small net standing in for ``--arch``'s model
+    (the CIFAR example needs 32x32 and minutes on CPU)."""
+    monkeypatch.setattr(finetune, "architecture", lambda arch, classes=10, seed=0: small_net())
+    png = tmp_path / "curves.png"
+    argv = ["finetune", "--cpu", "--size", "8", "--batch", "8", "--steps", "2", "--png", str(png)]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "loss program" in out and "test accuracy after 2 steps" in out
+    assert "0 delegate(s)" in out and f"curves: {png}" in out
+
+
+# --- slow tier ------------------------------------------------------------------------
+
+
+@pytest.mark.htp
+@pytest.mark.slow(reason="150 simulator steps of the CIFAR-10 example (about 20 minutes)")
+def test_cifar_example_learns_digits_in_train_mode_like_torch(qnn_sdk):
+    data = finetune.digits(size=32, seed=0)
+    result = finetune.fit(
+        finetune.architecture("cifar", seed=0),
+        data.train,
+        data.test,
+        batch=16,
+        steps=150,
+        eval_every=50,
+        lr=0.02,
+        momentum=0.9,
+    )
+    assert result.train_mode and result.delegates >= 1
+    final = result.evaluations[-1]
+    assert final.program_accuracy >= 0.70, result.evaluations
+    assert abs(final.program_accuracy - final.torch_accuracy) <= 0.03, result.evaluations

@@ -422,7 +422,7 @@ def _row(
     skipped: set | None,
     cpu_refusal: str | None = None,
 ) -> ReportRow:
-    verdict = judge.VERDICTS.get(name)
+    verdict = judge.recorded(name)
     if delegated:
         reason = "delegated"
     elif verdict is not None and not verdict.supported:
@@ -507,9 +507,8 @@ def decide(
     ``partition.judge`` (not the QNN backend's op validation, which needs a
     working backend). "delegated" in the rows means "the rules delegate it".
     """
-    with enabled():
+    with enabled(), judge.recording():
         before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
-        judge.VERDICTS.clear()
         edge_program = transformed(program, compiler_specs, skip_node_id_set, skip_node_op_set)
         context = judge.Context(
             Target.from_compile_specs(compiler_specs, edge_program),
@@ -544,10 +543,9 @@ def lower(
     ``to_edge_transform_and_lower`` with ``QnnPartitioner``) with the plugin
     enabled, and reports one row per convolution_backward node.
     """
-    with enabled():
+    with enabled(), judge.recording():
         target = Target.from_compile_specs(compiler_specs)
         before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
-        judge.VERDICTS.clear()
 
         aten_program, passes = _qualcomm_passes(
             program, compiler_specs, skip_node_id_set, skip_node_op_set
@@ -588,7 +586,7 @@ def _cpu_op(node: torch.fx.Node) -> CpuOp | None:
     if getattr(node.target, "__name__", "") == "executorch_call_delegate":
         return None
     for name in origins(node) if nodes.is_conv_bwd(node) else [node.name]:
-        verdict = judge.VERDICTS.get(name)
+        verdict = judge.recorded(name)
         if verdict is not None and not verdict.supported:
             return CpuOp(node.name, verdict.op, verdict.rejection.rule, verdict.reason)
     return CpuOp(

@@ -20,7 +20,7 @@ import torch
 from tiers import sweep
 
 from qnn_convbwd.partition import support
-from qnn_convbwd.partition.target import Target
+from qnn_convbwd.partition.target import MIN_HTP_ARCH, Target
 
 SOC = "SM8650"
 NOT_DELEGATED = re.compile(r"^convolution_backward (\S+): not delegated: (.*)$")
@@ -277,7 +277,7 @@ def test_htp_arch_gate(soc: str, qnn_sdk, caplog, define_node_calls):
     compiled = lower(built, soc, caplog)
     (row,) = compiled.report.rows
     records = not_delegated_records(caplog)
-    if arch < support.MIN_HTP_ARCH:
+    if arch < MIN_HTP_ARCH:
         assert not row.delegated
         assert [r.convbwd_rule for r in records] == ["htp_arch_supported"]
         assert f"arch=V{arch}" in row.reason

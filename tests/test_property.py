@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 from qnn_convbwd.builders import qnn_ops
 from qnn_convbwd.geometry import conv as geo
 from qnn_convbwd.partition import support
-from qnn_convbwd.partition.target import Target
+from qnn_convbwd.partition.target import MIN_HTP_ARCH, Target
 
 SOC_ARCH = {"SM8350": 68, "SM8450": 69, "SM8550": 73, "SM8650": 75, "SM8750": 79, "SM8850": 81}
 NOT_DELEGATED = re.compile(r"^convolution_backward (\S+): not delegated: (.*)$")
@@ -131,7 +131,7 @@ delegable = conv_configs(
 
 def expected_rule(config: cases.ConvConfig, soc: str) -> str | None:
     """Which rule should reject the node, read from the configuration alone."""
-    if SOC_ARCH[soc] < support.MIN_HTP_ARCH:
+    if SOC_ARCH[soc] < MIN_HTP_ARCH:
         return "htp_arch_supported"
     asked = {g for g, m in zip(("grad_input", "grad_weight", "grad_bias"), config.output_mask) if m}
     if not asked <= support.CAPABILITIES:
@@ -633,7 +633,7 @@ def test_decisions(size):
         stats[f"rank {len(config.kernel) + 2}"] += 1
         stats[want or "delegated"] += 1
         if decision.supported and config.output_mask[0]:
-            check_plans(decision.conv, built)
+            check_plans(decision.parsed, built)
 
     run()
     assert stats["examples"] >= n

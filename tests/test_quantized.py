@@ -16,7 +16,7 @@ import torch
 import torchao.quantization.pt2e  # noqa: F401  registers torch.ops.quantized_decomposed
 from torch import nn
 
-from qnn_convbwd.partition import support
+from qnn_convbwd.partition import support, verdict
 from qnn_convbwd.partition.target import Target
 
 SOC = "SM8650"
@@ -274,7 +274,7 @@ def test_lone_dequantized_weight_lowers_and_runs(qnn_sdk, caplog):
     cases.assert_matches([grad], [expected], [magnitude], 1e-5, "CPU fallback")
 
 
-def _decide_on_plain_edge(program) -> support.Decision:
+def _decide_on_plain_edge(program) -> verdict.Decision:
     """decide() on a graph that has not been through executorch's QNN passes."""
     from executorch.exir import to_edge
 

@@ -487,3 +487,118 @@ def test_decide_lists_every_op_kept_on_cpu_with_its_reason():
     assert len([op for op in report.on_cpu if op.op == "convolution_backward"]) == len(report.rows)
     assert "aten.mean.default" in by_rule["training_graph_below_v69"]
     assert set(by_rule) == {"htp_arch_supported", "training_graph_below_v69", "skip_options"}
+
+
+# --- an unknown target ------------------------------------------------------------------
+
+
+class _ConvPool(nn.Module):
+    """Two convolutions around a max pool: one backward asks for every gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv2d(3, 4, 3, padding=1)
+        self.second = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = nn.functional.max_pool2d(torch.relu(self.first(x)), 2)
+        return (self.second(y) ** 2).mean()
+
+
+def _conv_pool_program():
+    from qnn_convbwd.training import export_joint
+
+    with qnn_convbwd.enabled():
+        joint = export_joint(_ConvPool(), (torch.randn(1, 3, 8, 8),))
+        return to_edge(joint).exported_program()
+
+
+def _op_decisions(program, target: Target) -> list[verdict.Decision]:
+    from qnn_convbwd.partition import max_pool
+
+    found = []
+    for node in program.graph.nodes:
+        if nodes.is_conv_bwd(node):
+            found.append(support.decide(node, target, log=False))
+        elif nodes.is_max_pool_backward(node):
+            found.append(max_pool.decide(node, target, log=False))
+    return found
+
+
+def test_an_unknown_target_waits_for_the_partitioner_only_where_it_decides_again():
+    """The policy for an unknown target (``partition/target.py``): convolution_backward,
+    which the partitioner judges again with the real target, is prepared for the HTP;
+    a max pool backward, which the transform pass settles for good, is made right on
+    CPU. Once the target is known, both ops land on the same side."""
+    from qnn_convbwd.passes.canonicalize import CanonicalizeConvolutionBackward
+
+    program = _conv_pool_program()
+    unknown = {d.op: d for d in _op_decisions(program, Target.unknown(program))}
+    assert unknown["convolution_backward"].supported
+    pool = unknown["max_pool2d_with_indices_backward"].rejection
+    assert (pool.rule, pool.values) == ("backend_is_htp", "no compile specs")
+
+    for target, rule in (
+        (htp(program), None),
+        (htp(program, "SM8350", 68), "htp_arch_supported"),
+        (htp(program, backend="gpu"), "backend_is_htp"),
+        (htp(program, "SM0000", None), "htp_arch_supported"),
+    ):
+        decisions = _op_decisions(program, target)
+        assert len(decisions) == 3
+        assert {None if d.supported else d.rejection.rule for d in decisions} == {rule}, target
+
+    # The transform pass without compile specs: the backward asking for every gradient is
+    # split for the HTP (the partitioner decides on the halves), none is pinned on CPU;
+    # the max pool backward is rewritten for CPU.
+    with qnn_convbwd.enabled():
+        CanonicalizeConvolutionBackward(edge_program=program)(program.graph_module)
+    convs = [n for n in program.graph.nodes if nodes.is_conv_bwd(n)]
+    assert len(convs) == 3
+    assert not any(n.meta.get(meta.PINNED) or n.meta.get(meta.ON_CPU) for n in convs)
+    assert not any(nodes.is_max_pool_backward(n) for n in program.graph.nodes)
+
+
+# --- verdicts belong to one lowering ------------------------------------------------------
+
+
+def test_recorded_verdicts_belong_to_one_lowering():
+    """A lowering sees only the verdicts recorded inside its own ``recording`` block: not
+    an outer one's, not another thread's, and nothing is kept outside any lowering (the
+    stock flow after ``enable()``)."""
+    import threading
+
+    program = _pool_program()
+    node = _first(program, nodes.is_max_pool_backward)
+    accepted = verdict.Decision(node.name, "op", None)
+    refused = verdict.Decision(node.name, "op", verdict.Rejection("no", rule="r", op="op"))
+
+    judge.record(node, refused)  # no lowering under way: kept nowhere
+    assert judge.recorded(node.name) is None
+    with judge.recording() as outer:
+        judge.record(node, accepted)
+        with judge.recording() as inner:
+            assert judge.recorded(node.name) is None
+            judge.record(node, refused)
+            assert judge.recorded(node.name) is refused
+        assert judge.recorded(node.name) is accepted
+    # (a plugin op is recorded under every name it was traced from, its own among them)
+    assert outer[node.name] is accepted and all(v is accepted for v in outer.values())
+    assert inner[node.name] is refused and all(v is refused for v in inner.values())
+    assert judge.recorded(node.name) is None
+
+    # Two lowerings interleaved on two threads.
+    both_recorded, seen = threading.Barrier(2), {}
+
+    def lowering(decision: verdict.Decision) -> None:
+        with judge.recording():
+            judge.record(node, decision)
+            both_recorded.wait(timeout=30)
+            seen[decision.supported] = judge.recorded(node.name)
+
+    threads = [threading.Thread(target=lowering, args=(d,)) for d in (accepted, refused)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert seen == {True: accepted, False: refused}

@@ -23,11 +23,12 @@ INFO line ``<op> <node>: not delegated: <reason> (<values>)``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import logging
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -36,8 +37,8 @@ from ..geometry import conv as geo
 from ..meta import INDICES_CAST, INDICES_ON_HTP, NAME_SEEN, ON_CPU, SHAPE_OF, UNSCALE
 from ..nodes import origins
 from . import cpu_kernel, max_pool, support, trainable
-from .target import Target
-from .verdict import Rejection, rules
+from .target import MIN_HTP_ARCH, Target, below_min_arch
+from .verdict import Decision, Rejection, first_rejection, rules, settle
 
 logger = logging.getLogger(__name__)
 
@@ -70,24 +71,6 @@ class Context:
         return self.memo[node]
 
 
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    node: str
-    op: str
-    rejection: Rejection | None
-
-    @property
-    def supported(self) -> bool:
-        return self.rejection is None
-
-    @property
-    def reason(self) -> str:
-        if self.rejection is None:
-            return "delegated"
-        rejection = self.rejection
-        return f"{rejection.reason} ({rejection.values})" if rejection.values else rejection.reason
-
-
 def op_name(node: torch.fx.Node) -> str:
     """The op's name as the log lines and reports show it (``convolution_backward``,
     ``aten.mean.dim``, ``getitem``)."""
@@ -110,11 +93,6 @@ def _plugin_op(node: torch.fx.Node) -> bool:
     return nodes.is_conv_bwd(node) or nodes.is_max_pool_backward(node)
 
 
-def _reject(node: torch.fx.Node, reason: str, values: str) -> Rejection:
-    # The rule name is filled in by judge(); rules only say why.
-    return Rejection("", reason, values, op=op_name(node))
-
-
 # --- graph rules: every node ---------------------------------------------------
 
 
@@ -129,7 +107,7 @@ def skip_options(node, context):
     lifted = _plugin_op(node) and bool(node.meta.get(ON_CPU))
     op = getattr(node.target, "__name__", "")
     if name in context.skip_ids or lifted or op in context.skip_ops:
-        return _reject(node, "kept on CPU by executorch's skip options", "")
+        return Rejection("kept on CPU by executorch's skip options", "")
     return None
 
 
@@ -154,13 +132,12 @@ def training_graph_below_v69(node, context):
     target = context.target
     if not target.known or target.backend != "htp" or nodes.is_getitem_of(node, nodes.is_conv_bwd):
         return None  # a getitem follows its producer
-    if target.htp_arch is not None and target.htp_arch >= support.MIN_HTP_ARCH:
+    if not below_min_arch(target):
         return None
     if not _is_training_graph(node, context):
         return None
-    return _reject(
-        node,
-        f"a training graph stays on CPU below HTP V{support.MIN_HTP_ARCH}",
+    return Rejection(
+        f"a training graph stays on CPU below HTP V{MIN_HTP_ARCH}",
         f"soc={target.soc}, arch=V{target.htp_arch}",
     )
 
@@ -171,7 +148,7 @@ def trainable_parameter_baked(node, context):
     why = trainable.refusal(node, context.target.edge_program)
     if why is None:
         return None
-    return _reject(node, "reads a trainable parameter, which executorch's visitor bakes", why)
+    return Rejection("reads a trainable parameter, which executorch's visitor bakes", why)
 
 
 @graph_rule
@@ -186,8 +163,7 @@ def convolution_padding_reaches_kernel(node, context):
     if found is None:
         return None
     padding, extents = found
-    return _reject(
-        node,
+    return Rejection(
         "the HTP computes a convolution whose padding reaches its kernel's extent wrongly",
         f"padding={list(padding)}, kernel extent={extents}",
     )
@@ -200,7 +176,7 @@ def lifted_for_cpu(node, context):
     int32 indices cast): it runs with that node."""
     if _plugin_op(node) or not node.meta.get(ON_CPU):
         return None
-    return _reject(node, "prepares a node the plugin keeps on CPU", node.meta[ON_CPU])
+    return Rejection("prepares a node the plugin keeps on CPU", node.meta[ON_CPU])
 
 
 @graph_rule
@@ -208,7 +184,7 @@ def loss_unscale(node, context):
     """The 1 / loss_scale of a gradient output: fp32 on CPU, where it is exact."""
     if not node.meta.get(UNSCALE):
         return None
-    return _reject(node, "divides a gradient by the loss scale in fp32 on CPU", "loss_scale")
+    return Rejection("divides a gradient by the loss scale in fp32 on CPU", "loss_scale")
 
 
 def _program_state(node: torch.fx.Node, context: Context) -> dict[torch.fx.Node, str]:
@@ -291,7 +267,7 @@ def program_state_on_cpu(node, context):
     why = _program_state(node, context).get(node)
     if why is None:
         return None
-    return _reject(node, "the program's state stays on CPU", why)
+    return Rejection("the program's state stays on CPU", why)
 
 
 @graph_rule
@@ -305,7 +281,7 @@ def constant_follows_consumers(node, context):
     kept = [user.name for user in node.users if not context.other_delegated(user)]
     if not kept:
         return None
-    return _reject(node, "a constant is delegated only with every consumer", ", ".join(kept))
+    return Rejection("a constant is delegated only with every consumer", ", ".join(kept))
 
 
 @graph_rule
@@ -317,7 +293,7 @@ def indices_cast_follows_its_pool(node, context):
     forward = node.args[0].args[0]
     if context.other_delegated(forward):
         return None
-    return _reject(node, "its forward max pool stays on CPU", forward.name)
+    return Rejection("its forward max pool stays on CPU", forward.name)
 
 
 @graph_rule
@@ -328,7 +304,7 @@ def follows_its_producer(node, context):
     producer = node.args[0]
     if context.other_delegated(producer):
         return None
-    return _reject(node, "its convolution_backward stays on CPU", producer.name)
+    return Rejection("its convolution_backward stays on CPU", producer.name)
 
 
 # --- executorch's own reasons: QnnOperatorSupport.is_node_supported ------------------
@@ -338,8 +314,8 @@ def follows_its_producer(node, context):
 def not_supported_operator(node, context):
     if node.target not in integration.get("not_supported_operator"):
         return None
-    return _reject(
-        node, "executorch's QNN partitioner never delegates this op", "not_supported_operator"
+    return Rejection(
+        "executorch's QNN partitioner never delegates this op", "not_supported_operator"
     )
 
 
@@ -347,8 +323,7 @@ def not_supported_operator(node, context):
 def to_be_implemented(node, context):
     if node.target not in integration.get("to_be_implemented_operator"):
         return None
-    return _reject(
-        node,
+    return Rejection(
         "executorch's QNN backend does not implement this op yet",
         "to_be_implemented_operator",
     )
@@ -359,7 +334,7 @@ def forced_fallback(node, context):
     key = integration.get("QCOM_FALLBACK_NODE")
     if not node.meta.get(key, False):
         return None
-    return _reject(node, "marked to fall back to CPU", f"meta[{key!r}]")
+    return Rejection("marked to fall back to CPU", f"meta[{key!r}]")
 
 
 @executorch_rule
@@ -367,14 +342,13 @@ def no_visitor(node, context):
     name = getattr(node.target, "__name__", str(node.target))
     if name in integration.get("_node_visitor_dict"):
         return None
-    return _reject(node, "executorch's QNN backend has no visitor for this op", name)
+    return Rejection("executorch's QNN backend has no visitor for this op", name)
 
 
 @executorch_rule
 def backend_validation(node, context):
     """Asked only when executorch's check refused the node for none of the reasons above."""
-    return _reject(
-        node,
+    return Rejection(
         "rejected by the QNN backend's op validation (or its visitor built no op)",
         context.target.soc,
     )
@@ -385,13 +359,10 @@ def _executorch_refusal(node: torch.fx.Node, context: Context, validated: bool) 
     refused it, so op validation is the reason when no other applies."""
     if node.target in integration.get("allow_list_operator"):
         return None
-    for name, fn in EXECUTORCH_RULES:
-        if fn is backend_validation and not validated:
-            continue
-        found = fn(node, context)
-        if found is not None:
-            return dataclasses.replace(found, rule=name)
-    return None
+    asked = [
+        (name, fn) for name, fn in EXECUTORCH_RULES if validated or fn is not backend_validation
+    ]
+    return first_rejection(asked, op_name(node), node, context)
 
 
 def _forward_pool_rejection(node: torch.fx.Node, context: Context) -> Rejection | None:
@@ -416,11 +387,7 @@ def _rules_rejection(node: torch.fx.Node, context: Context) -> Rejection | None:
         found = None
     if found is not None:
         return found
-    for name, fn in GRAPH_RULES:
-        found = fn(node, context)
-        if found is not None:
-            return dataclasses.replace(found, rule=name)
-    return None
+    return first_rejection(GRAPH_RULES, op_name(node), node, context)
 
 
 def judge(
@@ -428,7 +395,7 @@ def judge(
     context: Context,
     executorch: Callable[..., bool] | None = None,
     log: bool = True,
-) -> Verdict:
+) -> Decision:
     """The node's verdict; ``executorch(skip_node_id_set=None)`` is executorch's own check
     of it (the partitioner's hook passes it; None: the rules alone decide)."""
     rejection = _rules_rejection(node, context)
@@ -440,33 +407,50 @@ def judge(
         elif not executorch(skip_node_id_set=set()):
             rejection = _executorch_refusal(node, context, validated=True)
     # A getitem's verdict is its producer's, which logged it.
-    if rejection is not None and log and rejection.rule != "follows_its_producer":
-        # ``extra`` lets callers (and tests) tell which rule spoke without parsing text.
-        logger.info(
-            rejection.message(node.name),
-            extra={"convbwd_node": node.name, "convbwd_rule": rejection.rule},
-        )
-    return Verdict(node.name, op_name(node), rejection)
+    log = log and (rejection is None or rejection.rule != "follows_its_producer")
+    return settle(Decision(node.name, op_name(node), rejection), logger, log)
 
 
 # --- the partitioner ------------------------------------------------------------------
 
-# Latest verdict per node name (and the names it was traced from), written while
-# partitioning; ``qnn_convbwd.lower`` and ``decide`` clear and read it.
-VERDICTS: dict[str, Verdict] = {}
+# The verdicts of the lowering under way (``recording``): latest verdict per node name
+# (and the names it was traced from). None: no lowering records them.
+_recorded: contextvars.ContextVar[dict[str, Decision] | None] = contextvars.ContextVar(
+    "qnn_convbwd_verdicts", default=None
+)
 # True while a node's users are checked on its behalf (their verdicts are not logged twice).
 _nested: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "qnn_convbwd_nested_check", default=False
 )
 
 
-def record(node: torch.fx.Node, verdict: Verdict) -> None:
-    if nodes.is_call(node, operator.getitem):
-        return  # its verdict is its producer's, and it is traced from the producer's name
+@contextlib.contextmanager
+def recording() -> Iterator[dict[str, Decision]]:
+    """Record the verdicts taken inside the block (by the partitioner or ``record``), for
+    one lowering: a new, empty record, which the block's end puts away again."""
+    verdicts: dict[str, Decision] = {}
+    token = _recorded.set(verdicts)
+    try:
+        yield verdicts
+    finally:
+        _recorded.reset(token)
+
+
+def recorded(name: str) -> Decision | None:
+    """The latest verdict on ``name`` in the lowering under way (``recording``)."""
+    verdicts = _recorded.get()
+    return None if verdicts is None else verdicts.get(name)
+
+
+def record(node: torch.fx.Node, decision: Decision) -> None:
+    """Keep ``decision`` for the lowering under way, if one is ``recording``."""
+    verdicts = _recorded.get()
+    if verdicts is None or nodes.is_call(node, operator.getitem):
+        return  # a getitem's verdict is its producer's, traced from the producer's name
     # Only an op the plugin rewrites is recorded under the names it was traced from:
     # the nodes a pass adds for it (reshapes, casts) are traced from its name too.
     for name in origins(node) if _plugin_op(node) else [node.name]:
-        VERDICTS[name] = verdict
+        verdicts[name] = decision
 
 
 def in_partitioner(
@@ -505,7 +489,7 @@ def in_partitioner(
     return verdict.supported
 
 
-def _warn_about_consequences(node: torch.fx.Node, verdict: Verdict) -> None:
+def _warn_about_consequences(node: torch.fx.Node, verdict: Decision) -> None:
     """One warning for a node whose place on CPU fails or is wrong at run time."""
     if nodes.is_conv_bwd(node):
         try:

@@ -31,17 +31,15 @@ import torch
 from ..geometry import pool as pg
 from ..meta import INDICES_CAST
 from ..nodes import is_max_pool_backward, is_max_pool_with_indices  # noqa: F401 (callers' names)
-from .target import Target
-from .verdict import Rejection, rules
+from . import target as targets
+from .target import FLOAT_DTYPES, Target
+from .verdict import Decision, Rejection, rules
+from .verdict import decide as run_rules
 
 logger = logging.getLogger(__name__)
 
 OP = "max_pool2d_with_indices_backward"
 FORWARD_OP = "max_pool2d_with_indices"
-# Measured with QAIRT 2.51 (docs/max_pool.md): V69 to V81 compile the window masks;
-# V68 cannot create the float ElementWiseSelect ("could not create op: q::Select.exe").
-MIN_HTP_ARCH = 69
-FLOAT_DTYPES = (torch.float32, torch.float16)
 # Window offsets become one Equal/Select/Pad/Add chain each: bound the graph size.
 MAX_WINDOW = 49
 
@@ -56,21 +54,6 @@ def indices_users(node: torch.fx.Node) -> list[torch.fx.Node]:
         and item.args[1] == pg.INDICES_OUTPUT
         for user in item.users
     ]
-
-
-def _rejection(rule: str, reason: str, values: str) -> Rejection:
-    return Rejection(rule, reason, values, op=OP)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    node: str
-    pool: pg.MaxPoolBackward | None
-    rejection: Rejection | None
-
-    @property
-    def supported(self) -> bool:
-        return self.rejection is None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,30 +86,23 @@ def also_forward(fn: Rule) -> Rule:
 @rule
 @also_forward
 def backend_is_htp(node, pool, target):
-    if not target.known:
-        return _rejection("", "compile specs unknown: kept on CPU", "no compile specs")
-    if target.backend != "htp":
-        return _rejection("", "backend is not HTP", f"backend={target.backend}")
-    return None
+    # The transform pass rewrites the node for CPU or gives it int32 indices, for good
+    # (target.py's policy): an unknown target keeps it on CPU.
+    return targets.backend_is_htp(target, settled_before_partitioning=True)
 
 
 @rule
 @also_forward
 def htp_arch_supported(node, pool, target):
-    if target.htp_arch is None or target.htp_arch < MIN_HTP_ARCH:
-        return _rejection(
-            "",
-            f"HTP arch below V{MIN_HTP_ARCH} cannot compile the window masks' float Select",
-            f"soc={target.soc}, arch=V{target.htp_arch}",
-        )
-    return None
+    # Measured with QAIRT 2.51 (docs/max_pool.md): V69 to V81 compile the window masks.
+    return targets.htp_arch_supported(target, "the window masks' float Select")
 
 
 @rule
 @also_forward
 def float_gradient(node, pool, target):
     if pool.dtype not in FLOAT_DTYPES:
-        return _rejection("", "grad_output dtype is not float32 or float16", f"dtype={pool.dtype}")
+        return Rejection("grad_output dtype is not float32 or float16", f"dtype={pool.dtype}")
     return None
 
 
@@ -137,8 +113,7 @@ def window_size(node, pool, target):
     for k in pool.kernel:
         count *= k
     if count > MAX_WINDOW:
-        return _rejection(
-            "",
+        return Rejection(
             f"window of more than {MAX_WINDOW} elements (one op chain per element)",
             f"kernel_size={list(pool.kernel)}",
         )
@@ -154,8 +129,7 @@ def windows_fit(node, pool, target):
     if expected != list(pool.out_sizes) or any(
         p > k // 2 for p, k in zip(pool.padding, pool.kernel)
     ):
-        return _rejection(
-            "",
+        return Rejection(
             "grad_output size is not torch's pooled size of the input",
             f"input={list(pool.in_sizes)}, grad_output={list(pool.out_sizes)}, "
             f"expected={expected}, padding={list(pool.padding)}",
@@ -164,24 +138,10 @@ def windows_fit(node, pool, target):
 
 
 def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:
-    try:
-        pool = pg.parse(node)
-    except pg.PoolArgumentError as err:
-        rejection = _rejection("parse", "arguments not understood", str(err))
-        pool = None
-    else:
-        rejection = None
-        for name, fn in RULES:
-            found = fn(node, pool, target)
-            if found is not None:
-                rejection = dataclasses.replace(found, rule=name)
-                break
-    if rejection is not None and log:
-        logger.info(
-            rejection.message(node.name),
-            extra={"convbwd_node": node.name, "convbwd_rule": rejection.rule},
-        )
-    return Decision(node.name, pool, rejection)
+    """The backward's ``RULES`` on ``node``; ``Decision.parsed`` is its ``pg.MaxPoolBackward``."""
+    return run_rules(
+        node, OP, RULES, target, logger=logger, parse=(pg.parse, pg.PoolArgumentError), log_it=log
+    )
 
 
 # --- the forward pool's indices ---------------------------------------------------------
@@ -226,22 +186,16 @@ def indices_users_delegated(node, pool, target, asked):
     if users and all(u.meta.get(INDICES_CAST) for u in users):
         users = [b for cast in users for b in cast.users]
     if not users:
-        return Rejection("", "indices unused", "", op=FORWARD_OP)
+        return Rejection("indices unused")
     for user in users:
         if not is_max_pool_backward(user) or user.args[pg.INDICES] is user.args[pg.INPUT]:
             kind = getattr(user.target, "__name__", str(user.target))
             return Rejection(
-                "",
-                "indices read by an op other than its backward",
-                f"{user.name}: {kind}",
-                op=FORWARD_OP,
+                "indices read by an op other than its backward", f"{user.name}: {kind}"
             )
         if not asked.backward(user):
             return Rejection(
-                "",
-                "indices read by a backward that stays on CPU",
-                f"backward={user.name}",
-                op=FORWARD_OP,
+                "indices read by a backward that stays on CPU", f"backward={user.name}"
             )
     if asked.delegated is None:
         return None
@@ -251,11 +205,9 @@ def indices_users_delegated(node, pool, target, asked):
                 if not asked.delegated(other):
                     kind = getattr(other.target, "__name__", str(other.target))
                     return Rejection(
-                        "",
                         "an op on CPU between the pool and its backward would put them in "
                         "different delegates",
                         f"{other.name}: {kind}, backward={user.name}",
-                        op=FORWARD_OP,
                     )
     return None
 
@@ -269,22 +221,14 @@ def decide_forward(
 ) -> Decision:
     """Whether the plugin delegates the forward pool ``node`` with its indices: the
     ``FORWARD_RULES`` in order (``Asked`` for the two callables)."""
-    rejection = None
-    try:
-        pool = pg.parse_forward(node)
-    except pg.PoolArgumentError as err:
-        pool = None
-        rejection = Rejection("parse", "arguments not understood", str(err), op=FORWARD_OP)
-    if pool is not None:
-        asked = Asked(backward_delegated, delegated)
-        for name, fn in FORWARD_RULES:
-            found = fn(node, pool, target, asked)
-            if found is not None:
-                rejection = dataclasses.replace(found, rule=name, op=FORWARD_OP)
-                break
-    if rejection is not None and log:
-        logger.info(
-            rejection.message(node.name),
-            extra={"convbwd_node": node.name, "convbwd_rule": rejection.rule},
-        )
-    return Decision(node.name, pool, rejection)
+    asked = Asked(backward_delegated, delegated)
+    return run_rules(
+        node,
+        FORWARD_OP,
+        FORWARD_RULES,
+        target,
+        asked,
+        logger=logger,
+        parse=(pg.parse_forward, pg.PoolArgumentError),
+        log_it=log,
+    )

@@ -27,13 +27,14 @@ import torch
 from .. import integration, signature
 from ..geometry import conv as geo
 from ..meta import PINNED
-from .target import Target
-from .verdict import Rejection, rules
+from . import target as targets
+from .target import FLOAT_DTYPES, Target
+from .verdict import Decision, Rejection, rules, settle
+from .verdict import decide as run_rules
 
 logger = logging.getLogger(__name__)
 
-MIN_HTP_ARCH = 69
-FLOAT_DTYPES = (torch.float32, torch.float16)
+OP = "convolution_backward"
 
 # What the builders can lower. Widening the lowering (a new gradient, another
 # number of spatial dims, dilation) means adding its name here together with the
@@ -57,28 +58,8 @@ def _missing(*needs: str) -> list[str]:
     return sorted(n for n in needs if n not in CAPABILITIES)
 
 
-@dataclasses.dataclass(frozen=True)
-class Decision:
-    node: str
-    conv: geo.ConvBackward | None
-    rejection: Rejection | None
-
-    @property
-    def supported(self) -> bool:
-        return self.rejection is None
-
-    @property
-    def reason(self) -> str:
-        return "delegated" if self.rejection is None else self.rejection.reason
-
-
 Rule = Callable[[torch.fx.Node, geo.ConvBackward, Target], Rejection | None]
-RULES, rule = rules("convolution_backward")
-
-
-def _reject(reason: str, values: str) -> Rejection:
-    # The rule name is filled in by decide(); rules only say why.
-    return Rejection("", reason, values)
+RULES, rule = rules(OP)
 
 
 # --- target ----------------------------------------------------------------
@@ -86,19 +67,13 @@ def _reject(reason: str, values: str) -> Rejection:
 
 @rule
 def backend_is_htp(node, conv, target):
-    if target.known and target.backend != "htp":
-        return _reject("backend is not HTP", f"backend={target.backend}")
-    return None
+    # The partitioner runs these rules again with the real target (target.py's policy).
+    return targets.backend_is_htp(target, settled_before_partitioning=False)
 
 
 @rule
 def htp_arch_supported(node, conv, target):
-    if target.known and (target.htp_arch is None or target.htp_arch < MIN_HTP_ARCH):
-        return _reject(
-            f"HTP arch below V{MIN_HTP_ARCH} cannot compile the TransposeConv2d lowering",
-            f"soc={target.soc}, arch=V{target.htp_arch}",
-        )
-    return None
+    return targets.htp_arch_supported(target, "the TransposeConv2d lowering")
 
 
 # --- what is asked of the op -------------------------------------------------
@@ -108,10 +83,12 @@ def htp_arch_supported(node, conv, target):
 def requested_gradients(node, conv, target):
     asked = [g for g, m in zip(GRADIENTS, conv.output_mask) if m]
     if not asked:
-        return _reject("output_mask asks for no gradient", f"output_mask={list(conv.output_mask)}")
+        return Rejection(
+            "output_mask asks for no gradient", f"output_mask={list(conv.output_mask)}"
+        )
     missing = _missing(*asked)
     if missing:
-        return _reject(
+        return Rejection(
             f"output_mask asks for {', '.join(missing)}, which is not lowered",
             f"output_mask={list(conv.output_mask)}",
         )
@@ -121,7 +98,7 @@ def requested_gradients(node, conv, target):
 @rule
 def not_transposed(node, conv, target):
     if conv.transposed:
-        return _reject("backward of a transposed convolution", "transposed=True")
+        return Rejection("backward of a transposed convolution", "transposed=True")
     return None
 
 
@@ -133,7 +110,7 @@ def _lowered_dims() -> str:
 @rule
 def spatial_dims(node, conv, target):
     if _missing(spatial_capability(conv.spatial_dims)):
-        return _reject(
+        return Rejection(
             f"{conv.spatial_dims}-D convolutions are not lowered",
             f"rank={conv.rank}, lowered: {_lowered_dims()}",
         )
@@ -143,14 +120,14 @@ def spatial_dims(node, conv, target):
 @rule
 def static_shapes(node, conv, target):
     if not conv.is_static:
-        return _reject("dynamic shapes", f"grad_output={list(conv.grad_output_shape)}")
+        return Rejection("dynamic shapes", f"grad_output={list(conv.grad_output_shape)}")
     return None
 
 
 @rule
 def dilation(node, conv, target):
     if any(d != 1 for d in conv.dilation) and _missing("dilation"):
-        return _reject("dilation > 1 is not lowered", f"dilation={list(conv.dilation)}")
+        return Rejection("dilation > 1 is not lowered", f"dilation={list(conv.dilation)}")
     return None
 
 
@@ -204,7 +181,7 @@ def not_quantized(node, conv, target):
                 found = f"{role}={operand.name} is produced by a dequantize"
                 break
     if found is not None:
-        return _reject("quantized operand or output", found)
+        return Rejection("quantized operand or output", found)
     return None
 
 
@@ -226,7 +203,7 @@ def weight_values(node, conv, target):
         why = f"weight={weight.name} is trainable"
     else:
         return None
-    return _reject(
+    return Rejection(
         f"a grouped {conv.spatial_dims}-D grad_input needs a block-diagonal filter built from "
         "the weight's values, and this weight is read at run time",
         why,
@@ -237,7 +214,7 @@ def weight_values(node, conv, target):
 def float_operands(node, conv, target):
     weight = _weight_node(node).meta["val"]
     if weight.dtype not in FLOAT_DTYPES or conv.dtype not in FLOAT_DTYPES:
-        return _reject(
+        return Rejection(
             "operand dtype is not float32 or float16",
             f"grad_output={conv.dtype}, weight={weight.dtype}",
         )
@@ -250,7 +227,7 @@ def expressible_output_padding(node, conv, target):
         return None  # only grad_input is a transposed convolution
     op = conv.transposed_output_padding()
     if any(not 0 <= o < s for o, s in zip(op, conv.stride)):
-        return _reject(
+        return Rejection(
             "grad_input shape needs an output_padding outside [0, stride)",
             f"output_padding={list(op)}, stride={list(conv.stride)}",
         )
@@ -265,7 +242,7 @@ def transpose_conv3d_strides(node, conv, target):
     # H and W; with three different strides no order does.
     if not conv.output_mask[0] or geo.transpose_conv_spatial_order(conv) is not None:
         return None
-    return _reject(
+    return Rejection(
         "the HTP's TransposeConv3d (grad_input) is wrong or fails to compile when its "
         "H and W strides differ, and no order of the spatial dims makes them equal",
         f"stride={list(conv.stride)}",
@@ -274,30 +251,10 @@ def transpose_conv3d_strides(node, conv, target):
 
 def decide(node: torch.fx.Node, target: Target, log: bool = True) -> Decision:
     """Run the rules on one node (or take its ``PINNED`` decision); log the rejection,
-    if any, as one line."""
+    if any, as one line. ``Decision.parsed`` is the node's ``geo.ConvBackward``."""
     pinned: Decision | None = node.meta.get(PINNED)
     if pinned is not None:
-        conv, rejection = pinned.conv, pinned.rejection
-    else:
-        conv, rejection = _run_rules(node, target)
-    if rejection is not None and log:
-        # ``extra`` lets callers (and tests) tell which rule spoke without parsing text.
-        logger.info(
-            rejection.message(node.name),
-            extra={"convbwd_node": node.name, "convbwd_rule": rejection.rule},
-        )
-    return Decision(node.name, conv, rejection)
-
-
-def _run_rules(
-    node: torch.fx.Node, target: Target
-) -> tuple[geo.ConvBackward | None, Rejection | None]:
-    try:
-        conv = geo.parse(node)
-    except geo.ConvArgumentError as err:
-        return None, Rejection("parse", "arguments not understood", str(err))
-    for name, fn in RULES:
-        found = fn(node, conv, target)
-        if found is not None:
-            return conv, dataclasses.replace(found, rule=name)
-    return conv, None
+        return settle(dataclasses.replace(pinned, node=node.name), logger, log)
+    return run_rules(
+        node, OP, RULES, target, logger=logger, parse=(geo.parse, geo.ConvArgumentError), log_it=log
+    )

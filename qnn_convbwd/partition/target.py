@@ -1,11 +1,34 @@
-"""What the compile specs target: backend, SoC and HTP architecture."""
+"""What the compile specs target (backend, SoC and HTP architecture), and the target
+rules every op family shares.
+
+An unknown target (``Target.unknown``) is what the plugin's transform pass sees when
+executorch builds it without compile specs (its recipe and test flows call
+``get_to_edge_transform_passes(program)``); the partitioner always knows the target.
+One policy for it, in ``backend_is_htp``: a verdict the partitioner takes again with
+the real target waits for it; a verdict the transform pass settles for good keeps the
+node on CPU. convolution_backward is the first kind: the pass prepares a delegated
+node for the HTP (split gradients, shape-only operands, 1-D lifted to 2-D), which
+computes the same values on CPU, and the partitioner re-runs the rules. A max pool
+backward is the second: the pass either gives it int32 indices (which executorch's
+CPU kernel cannot read) or rewrites it for CPU, and no later step undoes either; on
+CPU it is right whatever the target is.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+import torch
+
 from .. import integration
+from .verdict import Rejection
+
+# The oldest HTP the plugin's lowerings compile for (QAIRT 2.51): V68 cannot create
+# the TransposeConv2d of grad_input, nor the float ElementWiseSelect of a max pool
+# backward's window masks ("could not create op: q::Select.exe", docs/max_pool.md).
+MIN_HTP_ARCH = 69
+FLOAT_DTYPES = (torch.float32, torch.float16)
 
 _BACKENDS = {"kHtpBackend": "htp", "kGpuBackend": "gpu", "kLpaiBackend": "lpai"}
 
@@ -47,3 +70,33 @@ class Target:
 
     def with_program(self, edge_program: Any) -> Target:
         return dataclasses.replace(self, edge_program=edge_program)
+
+
+def backend_is_htp(target: Target, settled_before_partitioning: bool) -> Rejection | None:
+    """The target rule ``backend_is_htp`` of every family. ``settled_before_partitioning``:
+    the transform pass acts on the verdict in a way no later step undoes, so an unknown
+    target keeps the node on CPU (the module's policy); otherwise it waits for the
+    partitioner."""
+    if not target.known:
+        if settled_before_partitioning:
+            return Rejection("compile specs unknown: kept on CPU", "no compile specs")
+        return None
+    if target.backend != "htp":
+        return Rejection("backend is not HTP", f"backend={target.backend}")
+    return None
+
+
+def below_min_arch(target: Target) -> bool:
+    """A known target whose HTP is older than ``MIN_HTP_ARCH`` (or that has no HTP)."""
+    return target.known and (target.htp_arch is None or target.htp_arch < MIN_HTP_ARCH)
+
+
+def htp_arch_supported(target: Target, what: str) -> Rejection | None:
+    """The target rule ``htp_arch_supported`` of the op families; ``what``: the part of
+    the op's lowering an older HTP cannot compile."""
+    if not below_min_arch(target):
+        return None
+    return Rejection(
+        f"HTP arch below V{MIN_HTP_ARCH} cannot compile {what}",
+        f"soc={target.soc}, arch=V{target.htp_arch}",
+    )

@@ -40,7 +40,7 @@ import torch
 from .. import integration, nodes, signature
 from ..geometry import conv as geo
 from ..meta import ON_CPU, PINNED
-from ..partition import support
+from ..partition.verdict import Decision
 
 
 def _forward_weight(graph_module, weight_node, edge_program) -> torch.fx.Node | None:
@@ -186,7 +186,7 @@ def lift_conv1d(
     graph_module: torch.fx.GraphModule,
     edge_program,
     delegated: Callable[[torch.fx.Node], bool],
-    decide: Callable[[torch.fx.Node], support.Decision],
+    decide: Callable[[torch.fx.Node], Decision],
 ) -> int:
     """Rewrite 1-D, non-transposed convolution_backward nodes in place; return how many.
 

@@ -50,8 +50,8 @@ from .. import integration, nodes
 from ..geometry import pool as pg
 from ..meta import INDEX_PLANE, INDICES_CAST, INDICES_ON_HTP, ON_CPU, SHAPE_OF
 from ..partition import max_pool
-from ..partition.judge import Verdict
 from ..partition.target import Target
+from ..partition.verdict import Decision
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +249,7 @@ def _pool_backward_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
 def mark_forward_pools(
     graph_module: torch.fx.GraphModule,
     target: Target,
-    verdict: Callable[[torch.fx.Node], Verdict],
+    verdict: Callable[[torch.fx.Node], Decision],
 ) -> int:
     """Mark ``INDICES_ON_HTP`` the forward pools whose indices go to the HTP; return how many.
 
@@ -278,7 +278,7 @@ def mark_forward_pools(
 def rewrite(
     graph_module: torch.fx.GraphModule,
     target: Target,
-    verdict: Callable[[torch.fx.Node], Verdict],
+    verdict: Callable[[torch.fx.Node], Decision],
 ) -> int:
     """Prepare delegated nodes for QNN, make CPU nodes right; return how many changed.
 

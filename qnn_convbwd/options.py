@@ -94,6 +94,9 @@ SCALAR_CONSTANT_MODES = ("paired", "keep")
 # large graph much faster (docs/toolchain.md has the measured times and results).
 HTP_OPTIMIZATION_LEVELS = (2, 3)
 
+# The compiled-context cache's default bound on its total size (context_cache.py).
+CONTEXT_CACHE_BYTES = 2 * 1024**3
+
 # The largest finite float16: the loss scale seeds the backward as an fp16 tensor.
 FP16_MAX = 65504.0
 
@@ -119,6 +122,14 @@ class Options:
     # per partition, as executorch makes them. A smaller graph finalises much faster
     # in QAIRT (docs/zoo.md); each cut adds delegate inputs and outputs.
     max_delegate_ops: int | None = None
+    # Reuse the context binary of a QNN graph lowered before (context_cache.py; the
+    # environment variable QNN_CONVBWD_CONTEXT_CACHE=0 turns it off too), stored in
+    # context_cache_dir (None: <cache>/contexts, $QNN_CONVBWD_CACHE or
+    # ~/.cache/qnn_convbwd), at most context_cache_bytes in all (least recently used
+    # entries evicted first).
+    context_cache: bool = True
+    context_cache_dir: str | None = None
+    context_cache_bytes: int = CONTEXT_CACHE_BYTES
 
     def __post_init__(self) -> None:
         for field, choices in (
@@ -149,6 +160,11 @@ class Options:
             raise ValueError(
                 f"qnn_convbwd option max_delegate_ops={self.max_delegate_ops!r} must be None "
                 "or a positive int"
+            )
+        if type(self.context_cache_bytes) is not int or self.context_cache_bytes < 1:
+            raise ValueError(
+                f"qnn_convbwd option context_cache_bytes={self.context_cache_bytes!r} must be a "
+                "positive int"
             )
         if isinstance(self.loss_scale, int) and not isinstance(self.loss_scale, bool):
             object.__setattr__(self, "loss_scale", float(self.loss_scale))  # 256 as 256.0

@@ -473,5 +473,10 @@ def compile_through_cache(
     if data:
         about = _about(compile_specs, graph_names, op_wrapper_lists)
         store(key_, data, about, limit=options.current.context_cache_bytes)
-        logger.info("context cache: stored %s (%d bytes)", key_[:16], len(data))
+        logger.info(
+            "context cache: stored %s (%d bytes; key in %.2f s)",
+            key_[:16],
+            len(data),
+            digest_seconds,
+        )
     return compiled

@@ -8,12 +8,15 @@ binary for that key, or compiles and stores one.
 The key (``key_parts``) covers:
 
 * the QNN graph as built: every op's name, type, package, scalar parameters and
-  tensor parameters' names, and every tensor's name, type, data type, shape and
-  quantization parameters (executorch's op wrappers expose neither the data of
-  static tensors nor the values of tensor parameters, hence the next item);
+  tensor parameters' names, and every tensor's type, data type, shape and
+  quantization parameters, tensors and ops named by their order of first
+  appearance (``_Names``), graph inputs and outputs with their role prefix
+  (executorch's op wrappers expose neither the data of static tensors nor the
+  values of tensor parameters, hence the next item);
 * the delegate's edge program: its graph (targets, arguments, output shapes and
-  dtypes) and the bytes of every constant, parameter and buffer it holds: the
-  source of every static tensor's values and every tensor parameter;
+  dtypes; its inputs by name, other nodes by order) and the bytes of every
+  constant, parameter and buffer it holds: the source of every static tensor's
+  values and every tensor parameter;
 * the compile specs (SoC, HTP architecture, precision, every backend option), the
   HTP finalisation level the shim applies, the QAIRT build id and the SDK's
   libraries (shim included), the executorch version, and the plugin: its version,
@@ -37,6 +40,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -102,18 +106,24 @@ def _quant(tensor_v2: Any) -> list:
 
 
 class _Names:
-    """Names as they matter to the binary's users: the graph's inputs and outputs by
-    name (the runtime binds them by their prefixes, in order), every other op and
-    tensor by its order of first appearance (executorch numbers inserted nodes from
-    counters that differ between two lowerings of one program in a process)."""
+    """Names by their order of first appearance: executorch names the ops and tensors
+    it inserts from counters that run on within a process, so one program lowered
+    twice in a process gets other names. What a name tells the runtime is kept:
+    the role prefix of a graph input or output (``input_<i>_``, ``output_``,
+    ``mutbuf_``), by which the delegate binds its arguments in the graph's order.
+    Program inputs (placeholders) keep their names."""
+
+    _ROLE = re.compile(r"^(?:input_\d+_|output_|mutbuf_)")
 
     def __init__(self) -> None:
         self._seen: dict[str, int] = {}
 
     def __call__(self, name: str, public: bool) -> str:
-        if public:
-            return name
-        return f"#{self._seen.setdefault(name, len(self._seen))}"
+        ordinal = self._seen.setdefault(name, len(self._seen))
+        if not public:
+            return f"#{ordinal}"
+        role = self._ROLE.match(name)
+        return f"{role.group(0) if role else ''}#{ordinal}"
 
 
 def _tensor(tensor: Any, names: _Names) -> list:
@@ -160,7 +170,7 @@ def _argument(value: Any, names: _Names) -> Any:
     import torch
 
     if isinstance(value, torch.fx.Node):
-        return names(value.name, public=value.op == "placeholder")
+        return value.name if value.op == "placeholder" else names(value.name, public=False)
     if isinstance(value, (list, tuple)):
         return [_argument(v, names) for v in value]
     if isinstance(value, dict):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import io
 import logging
 import os
 import subprocess
@@ -288,3 +289,43 @@ def test_progress_observers_see_a_run_in_order():
         "done",
     ]
     assert events[-1].elapsed >= 0.02
+
+
+@pytest.mark.htp
+def test_the_cli_progress_line_names_phase_and_delegate(qnn_sdk, tmp_path):
+    from qnn_convbwd import api, cli
+
+    terminal = io.StringIO()
+    with cli._progress(terminal):
+        api.lower(frozen_case().joint(), harness.compile_specs(SOC))
+    shown = terminal.getvalue()
+    for text in ("lowering: export passes", "lowering: partition", "delegate 1/1: finalize"):
+        assert text in shown, shown
+
+
+@pytest.mark.htp
+def test_split_delegates_each_reuse_their_binary(qnn_sdk, monkeypatch, tmp_path):
+    """Lowered again in one process, the delegates' inserted ops have other names
+    (graph outputs among them): the binaries are reused, and the program computes
+    what a program compiled afresh with the new names computes."""
+    monkeypatch.setenv(context_cache.ENV_SWITCH, "1")
+    case = frozen_case()
+    before = lower(case, tmp_path, max_delegate_ops=15)
+    count = len(before.binaries)
+    assert count >= 2
+    assert before.compiled == [progress.FINALIZE] * count
+    builds = [e for e in before.events if e.phase == progress.BUILD]
+    assert [(e.delegate, e.delegates) for e in builds] == [(k, count) for k in range(1, count + 1)]
+    again = lower(case, tmp_path, max_delegate_ops=15)
+    assert again.compiled == [progress.CACHE_HIT] * count
+    assert again.binaries == before.binaries
+    assert again.pte == before.pte
+    assert len(context_cache.entries(tmp_path)) == count
+    monkeypatch.setenv(context_cache.ENV_SWITCH, "0")
+    fresh = lower(case, tmp_path, max_delegate_ops=15)
+    assert fresh.compiled == [progress.FINALIZE] * count
+    inputs = [t.clone() for t in case.inputs]
+    for ours, theirs in zip(
+        harness.run_pte(again.pte, inputs), harness.run_pte(fresh.pte, inputs), strict=True
+    ):
+        assert torch.equal(ours, theirs)

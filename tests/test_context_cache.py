@@ -86,12 +86,13 @@ def test_the_size_bound_evicts_the_least_recently_used(tmp_path):
     for n in (1, 2, 3):
         context_cache.store(_key(n), os.urandom(size), {}, root=tmp_path)
         os.utime(tmp_path / f"{_key(n)}{context_cache.SUFFIX}", (n, n))  # 1 oldest
-    entry = context_cache.entries(tmp_path)[0].size
+    # Room for three entries, not four (the headers differ by a few bytes).
+    limit = 3 * max(e.size for e in context_cache.entries(tmp_path)) + 16
     assert context_cache.load(_key(1), root=tmp_path) is not None  # 1 used now: 2 is oldest
-    context_cache.store(_key(4), os.urandom(size), {}, root=tmp_path, limit=3 * entry)
+    context_cache.store(_key(4), os.urandom(size), {}, root=tmp_path, limit=limit)
     kept = {e.key for e in context_cache.entries(tmp_path)}
     assert kept == {_key(1), _key(3), _key(4)}
-    assert sum(e.size for e in context_cache.entries(tmp_path)) <= 3 * entry
+    assert sum(e.size for e in context_cache.entries(tmp_path)) <= limit
 
 
 def test_a_binary_larger_than_the_bound_is_not_stored(tmp_path):
@@ -171,10 +172,11 @@ def frozen_case() -> models.TrainingCase:
 @pytest.fixture(scope="module")
 def first(qnn_sdk, tmp_path_factory):
     root = tmp_path_factory.mktemp("contexts")
+    case = frozen_case()
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(context_cache.ENV_SWITCH, "1")
-        case = frozen_case()
-        yield case, root, lower(case, root)
+        lowered = lower(case, root)
+    return case, root, lowered
 
 
 @pytest.fixture
@@ -245,7 +247,11 @@ def test_another_option_compiles_again(first, cache_on):
 @pytest.mark.htp
 def test_a_corrupt_entry_is_compiled_again(first, cache_on, tmp_path, caplog):
     case, root, before = first
-    (entry,) = [e for e in context_cache.entries(root) if e.binary_size == len(before.binaries[0])]
+    (entry,) = [
+        e
+        for e in context_cache.entries(root)
+        if context_cache.load(e.key, root) == before.binaries[0]
+    ]
     copied = tmp_path / entry.path.name
     data = bytearray(entry.path.read_bytes())
     data[-1] ^= 0xFF
@@ -292,9 +298,10 @@ def test_progress_observers_see_a_run_in_order():
 
 
 @pytest.mark.htp
-def test_the_cli_progress_line_names_phase_and_delegate(qnn_sdk, tmp_path):
+def test_the_cli_progress_line_names_phase_and_delegate(qnn_sdk, monkeypatch):
     from qnn_convbwd import api, cli
 
+    monkeypatch.setenv(context_cache.ENV_SWITCH, "0")
     terminal = io.StringIO()
     with cli._progress(terminal):
         api.lower(frozen_case().joint(), harness.compile_specs(SOC))
@@ -329,3 +336,38 @@ def test_split_delegates_each_reuse_their_binary(qnn_sdk, monkeypatch, tmp_path)
         harness.run_pte(again.pte, inputs), harness.run_pte(fresh.pte, inputs), strict=True
     ):
         assert torch.equal(ours, theirs)
+
+
+def _stock_lowering(program, specs) -> list[progress.Event]:
+    """executorch's own flow, the plugin enabled: the events it reports."""
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnPartitioner
+    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
+    from executorch.exir import to_edge_transform_and_lower
+
+    events: list[progress.Event] = []
+    passes = QnnPassManager()
+    aten = passes.transform_for_export_pipeline(program)
+    with progress.observe(events.append):
+        to_edge_transform_and_lower(
+            aten,
+            transform_passes=passes.get_to_edge_transform_passes(aten, compiler_specs=specs),
+            partitioner=[QnnPartitioner(specs)],
+            compile_config=qnn_edge_config(),
+        )
+    return events
+
+
+@pytest.mark.htp
+def test_the_stock_flow_reports_progress_and_uses_the_cache(qnn_sdk, cache_on, tmp_path):
+    case = frozen_case()
+    specs = harness.compile_specs(SOC)
+    with qnn_convbwd.enabled(context_cache_dir=str(tmp_path)):
+        first = _stock_lowering(case.joint(), specs)
+        again = _stock_lowering(case.joint(), specs)
+    for events, compiled in ((first, progress.FINALIZE), (again, progress.CACHE_HIT)):
+        phases = [e.phase for e in events]
+        assert phases[0] == progress.EXPORT and phases[-1] == progress.DONE, phases
+        assert [p for p in phases if p in (progress.FINALIZE, progress.CACHE_HIT)] == [compiled]
+        assert events[0].elapsed < 1.0  # each lowering is a run of its own
+    assert len(context_cache.entries(tmp_path)) == 1

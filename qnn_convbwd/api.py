@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from . import delegate_io, integration, logs, nodes, options, signature
+from . import context_cache, delegate_io, integration, logs, nodes, options, progress, signature
 from .geometry import conv as geo
 from .meta import INDICES_ON_HTP
 from .nodes import origins
@@ -83,6 +83,7 @@ def _after_partition(edge_program, partition_tags: dict) -> None:
     request_htp_optimization(options.current.htp_optimization)
     if options.current.max_delegate_ops is not None:
         split.split(edge_program, partition_tags, options.current.max_delegate_ops)
+    progress.partitioned(len(partition_tags))
     quant_key = integration.get("QCOM_QUANT_ATTRS")
     for node in signature.trainable_placeholders(edge_program):
         if "delegation_tag" not in node.meta:
@@ -151,6 +152,24 @@ def _prepare(program: torch.export.ExportedProgram) -> torch.export.ExportedProg
     return train_mode.prepare(program, dropout_seed=options.current.dropout_seed)
 
 
+def _pre_decomposition(exported_program):
+    """The stock flow's first plugin hook: a lowering starts."""
+    progress.begin_implicit()
+    return _prepare(exported_program)
+
+
+def _before_build(edge_program) -> None:
+    progress.phase(progress.BUILD, new_delegate=True)
+
+
+def _compile(original, compile_specs, graph_names, op_wrapper_lists, programs):
+    binary = context_cache.compile_through_cache(
+        original, compile_specs, graph_names, op_wrapper_lists, programs
+    )
+    progress.delegate_done()
+    return binary
+
+
 def _hooks() -> integration.Hooks:
     from .builders import op_max_pool_backward, op_max_pool_with_indices
     from .builders.op_convolution import define_convolution
@@ -190,9 +209,12 @@ def _hooks() -> integration.Hooks:
         (op_max_pool_with_indices.TARGET, op_max_pool_with_indices.define_max_pool),
         (op_max_pool_with_indices.CAST_TARGET, op_max_pool_with_indices.define_indices_cast),
     )
-    hooks.pre_decomposition = _prepare
+    hooks.pre_decomposition = _pre_decomposition
     hooks.training_metadata = signature.runtime_training_metadata
     hooks.after_partition = _after_partition
+    hooks.before_partition = functools.partial(progress.phase, progress.PARTITION)
+    hooks.before_build = _before_build
+    hooks.compile = _compile
     hooks.after_build = functools.partial(
         delegate_io.bind_outputs_in_order,
         output_names=integration.qnn_output_names,
@@ -543,7 +565,8 @@ def lower(
     ``to_edge_transform_and_lower`` with ``QnnPartitioner``) with the plugin
     enabled, and reports one row per convolution_backward node.
     """
-    with enabled(), judge.recording():
+    with enabled(), judge.recording(), progress.run():
+        progress.phase(progress.EXPORT)
         target = Target.from_compile_specs(compiler_specs)
         before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
 

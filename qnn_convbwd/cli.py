@@ -1,4 +1,4 @@
-"""``qnn-convbwd`` command line: doctor, demo, train, finetune, bench, fidelity, cost."""
+"""``qnn-convbwd`` command line: doctor, demo, train, finetune, bench, fidelity, cost, cache."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ COMMANDS = {
         "qnn_convbwd.tools.cost",
         "multiply-adds, bytes and planned memory of a lowered training program",
     ),
+    "cache": ("qnn_convbwd.tools.cache_cli", "list or clear the compiled-context cache"),
 }
 
 # Long calls the CLI shows progress for: (module, function, what it is doing).
@@ -123,6 +124,8 @@ def _progress(terminal: IO[str] | None) -> Iterator[None]:
         return
     from tqdm import tqdm
 
+    from . import progress
+
     patched: list[tuple[Any, str, Any]] = []
     depth = threading.local()
 
@@ -141,8 +144,13 @@ def _progress(terminal: IO[str] | None) -> Iterator[None]:
 
             ticker = threading.Thread(target=tick, daemon=True)
             ticker.start()
+
+            def show(event: Any) -> None:  # a lowering's phase (qnn_convbwd.progress)
+                bar.set_description_str(f"{what}: {event.describe().split(' (')[0]}")
+
             try:
-                return function(*args, **kwargs)
+                with progress.observe(show):
+                    return function(*args, **kwargs)
             finally:
                 stop.set()
                 ticker.join()

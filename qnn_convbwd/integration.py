@@ -19,6 +19,7 @@ import importlib.metadata
 import inspect
 import logging
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -129,6 +130,13 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_QuantizationEncoding_t", "QNN quant encoding"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "PyQnnTensorWrapper", "reads tensor names"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "GetQnnSdkBuildId", "doctor: loaded QAIRT build id"),
+    (
+        f"{_QC}.qnn_preprocess",
+        "get_current_qnn_manager",
+        "patched: the manager's Compile goes through the context cache",
+    ),
+    (f"{_QC}.python.PyQnnManagerAdaptor", "QnnManager.Compile", "context cache: a miss compiles"),
+    (f"{_QC}.python.PyQnnManagerAdaptor", "OpWrapper.GetOpConfig", "context cache key"),
     ("executorch.exir.lowered_backend_module", "get_lowered_submodules", "delegate inspection"),
     (f"{_QC}.builders.node_visitor", "QNN_TENSOR_TYPE_MAP", "torch -> QNN dtype"),
     ("executorch.exir.dialects._ops", "ops", "edge dialect op handles"),
@@ -342,6 +350,15 @@ class Hooks:
     # Called with (edge_program, op wrappers) after executorch built a delegate's QNN
     # ops, before they are compiled; returns the op wrappers to compile (reordered).
     after_build: Callable[[Any, list], list] | None = None
+    # Called before QnnPartitioner.partition, and before executorch builds a
+    # delegate's QNN ops (with its edge_program): progress reports.
+    before_partition: Callable[[], None] | None = None
+    before_build: Callable[[Any], None] | None = None
+    # Stands in for the QNN manager's Compile: (original, compile_specs, graph_names,
+    # op_wrapper_lists, edge_programs) -> the context binary; ``original(graph_names,
+    # op_wrapper_lists)`` is executorch's; ``edge_programs`` the delegates' programs
+    # built since the previous Compile, in build order.
+    compile: Callable[[Callable[[Any, Any], Any], Any, Any, Any, list], Any] | None = None
 
 
 # executorch's visitor of the forward convolution, wrapped when conv_define is set.
@@ -487,27 +504,20 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
         p.set_attr(emit, "_get_training_metadata", training_metadata)
 
-    if hooks.after_partition is not None:
+    if hooks.after_partition is not None or hooks.before_partition is not None:
         orig_partition = partitioner_cls.partition
 
         def partition(self, edge_program):
+            if hooks.before_partition is not None:
+                hooks.before_partition()
             result = orig_partition(self, edge_program)
-            hooks.after_partition(result.tagged_exported_program, result.partition_tags)
+            if hooks.after_partition is not None:
+                hooks.after_partition(result.tagged_exported_program, result.partition_tags)
             return result
 
         p.set_attr(partitioner_cls, "partition", partition)
 
-    if hooks.after_build is not None:
-        backend = importlib.import_module(f"{_QC}.qnn_preprocess").QnnBackend
-        orig_build = backend.__dict__["_build_op_wrappers"].__func__
-
-        def build(edge_program, *args, **kwargs):
-            wrappers = orig_build(edge_program, *args, **kwargs)
-            if isinstance(wrappers, list):
-                wrappers = hooks.after_build(edge_program, wrappers)
-            return wrappers
-
-        p.set_attr(backend, "_build_op_wrappers", staticmethod(build))
+    _patch_preprocess(p, hooks)
 
     pm_cls = importlib.import_module(f"{_QC}._passes.qnn_pass_manager").QnnPassManager
     orig_activations = pm_cls.get_default_pass_activations.__func__
@@ -555,6 +565,65 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
     p.set_attr(i64, "_record_original_output_dtype", record)
     p.set_attr(i64, "_preserve_output_dtype", preserve)
+
+
+class _BuiltPrograms(threading.local):
+    """The edge programs whose QNN ops were built since the last Compile (per thread)."""
+
+    def __init__(self) -> None:
+        self.programs: list = []
+
+
+class _CompilingManager:
+    """executorch's QnnManager, its Compile going through ``Hooks.compile``."""
+
+    def __init__(self, manager: Any, compile_specs: Any, hooks: Hooks, built: _BuiltPrograms):
+        self._manager = manager
+        self._compile_specs = compile_specs
+        self._hooks = hooks
+        self._built = built
+
+    def Compile(self, graph_names, op_wrapper_lists):  # noqa: N802 (executorch's name)
+        programs, self._built.programs = self._built.programs, []
+        return self._hooks.compile(
+            self._manager.Compile, self._compile_specs, graph_names, op_wrapper_lists, programs
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+
+def _patch_preprocess(p: _Patches, hooks: Hooks) -> None:
+    """executorch's QnnBackend: its ops' build and the manager's Compile, hooked."""
+    if hooks.after_build is None and hooks.before_build is None and hooks.compile is None:
+        return
+    preprocess = importlib.import_module(f"{_QC}.qnn_preprocess")
+    backend = preprocess.QnnBackend
+    orig_build = backend.__dict__["_build_op_wrappers"].__func__
+    built = _BuiltPrograms()
+
+    def build(edge_program, *args, **kwargs):
+        if hooks.before_build is not None:
+            hooks.before_build(edge_program)
+        wrappers = orig_build(edge_program, *args, **kwargs)
+        if isinstance(wrappers, list):
+            if hooks.after_build is not None:
+                wrappers = hooks.after_build(edge_program, wrappers)
+            built.programs.append(edge_program)
+        return wrappers
+
+    p.set_attr(backend, "_build_op_wrappers", staticmethod(build))
+
+    if hooks.compile is None:
+        return
+    orig_manager = preprocess.get_current_qnn_manager
+
+    def current_manager(backend_type, compile_specs):
+        manager = orig_manager(backend_type, compile_specs)
+        built.programs = []
+        return _CompilingManager(manager, compile_specs, hooks, built)
+
+    p.set_attr(preprocess, "get_current_qnn_manager", current_manager)
 
 
 # ---------------------------------------------------------------------------

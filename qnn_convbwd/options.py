@@ -94,6 +94,9 @@ SCALAR_CONSTANT_MODES = ("paired", "keep")
 # large graph much faster (docs/toolchain.md has the measured times and results).
 HTP_OPTIMIZATION_LEVELS = (2, 3)
 
+# The compiled-context cache's default bound on its total size (context_cache.py).
+CONTEXT_CACHE_BYTES = 2 * 1024**3
+
 # The largest finite float16: the loss scale seeds the backward as an fp16 tensor.
 FP16_MAX = 65504.0
 
@@ -123,6 +126,14 @@ class Options:
     # derive from it. None: drawn from torch's RNG when the program is lowered
     # (``torch.manual_seed`` then makes a lowering reproducible).
     dropout_seed: int | None = None
+    # Reuse the context binary of a QNN graph lowered before (context_cache.py; the
+    # environment variable QNN_CONVBWD_CONTEXT_CACHE=0 turns it off too), stored in
+    # context_cache_dir (None: <cache>/contexts, $QNN_CONVBWD_CACHE or
+    # ~/.cache/qnn_convbwd), at most context_cache_bytes in all (least recently used
+    # entries evicted first).
+    context_cache: bool = True
+    context_cache_dir: str | None = None
+    context_cache_bytes: int = CONTEXT_CACHE_BYTES
 
     def __post_init__(self) -> None:
         for field, choices in (
@@ -160,6 +171,11 @@ class Options:
             raise ValueError(
                 f"qnn_convbwd option dropout_seed={self.dropout_seed!r} must be None or an "
                 "int in [0, 2**63)"
+            )
+        if type(self.context_cache_bytes) is not int or self.context_cache_bytes < 1:
+            raise ValueError(
+                f"qnn_convbwd option context_cache_bytes={self.context_cache_bytes!r} must be a "
+                "positive int"
             )
         if isinstance(self.loss_scale, int) and not isinstance(self.loss_scale, bool):
             object.__setattr__(self, "loss_scale", float(self.loss_scale))  # 256 as 256.0

@@ -10,6 +10,7 @@ which; the skip names it.
 ``sweep``: the zoo fidelity sweep (``tests/test_zoo_sweep.py``), skipped
 unless ``--sweep`` is given: 48 lowerings of torchvision models, hours.
 ``python -m pytest -m "not htp"`` is the quick tier (no QNN compile).
+The compiled-context cache is off (``QNN_CONVBWD_CONTEXT_CACHE=0`` unless set).
 
 Workers: ``-n auto --dist loadscope`` (pyproject's addopts) runs one pytest-xdist
 worker per core, at most ``MAX_WORKERS`` (each holds torch, executorch and QNN
@@ -28,6 +29,11 @@ import pytest
 import scheduling
 
 MAX_WORKERS = 4
+
+# Every lowering in the tests compiles its QNN graphs: a binary reused from an earlier
+# run would not test the compile, and would make runs depend on each other. The tests
+# of the cache itself (test_context_cache.py) turn it on with a directory of their own.
+os.environ.setdefault("QNN_CONVBWD_CONTEXT_CACHE", "0")
 
 
 def pytest_addoption(parser):

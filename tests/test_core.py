@@ -36,6 +36,7 @@ BOUND_FACTOR = 4.0
 
 
 def _executorch_state():
+    from executorch.backends.qualcomm import qnn_preprocess
     from executorch.backends.qualcomm._passes.i64_to_i32 import I64toI32
     from executorch.backends.qualcomm._passes.layout_transform import LayoutTransform
     from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
@@ -44,6 +45,8 @@ def _executorch_state():
 
     support = qnn_partitioner.QnnOperatorSupport
     return {
+        "build": qnn_preprocess.QnnBackend.__dict__["_build_op_wrappers"],
+        "qnn_manager": qnn_preprocess.get_current_qnn_manager,
         "visitors": dict(node_visitor_manager._node_visitor_dict),
         "support_init": support.__dict__["__init__"],
         "is_node_supported": support.__dict__["is_node_supported"],

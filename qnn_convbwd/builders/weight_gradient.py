@@ -35,9 +35,11 @@ from . import qnn_ops
 
 
 def _transpose(name: str, source, shape: Sequence[int], perm: Sequence[int], dtype, visitor, n2w):
+    """``(ops, result, result shape)``: ``source`` permuted, the Transpose collapsed."""
     out_shape = [shape[i] for i in perm]
     result = qnn_ops.native_tensor(visitor, name, out_shape, dtype, n2w)
-    return qnn_ops.transpose(f"{name}_op", source, result, perm), result, out_shape
+    ops = qnn_ops.weight_transpose(visitor, name, source, shape, perm, result, dtype, n2w)
+    return ops, result, out_shape
 
 
 def _reshape(name: str, source, shape: Sequence[int], dtype, visitor, n2w):
@@ -112,7 +114,7 @@ def weight_gradient(
 
     # I = [Cg, *spatial, groups * N]: batch and channels exchanged, groups kept apart.
     if groups == 1:
-        op, image, _ = _transpose(
+        more, image, _ = _transpose(
             f"{base}_image",
             x,
             [n, *spatial, cin],
@@ -121,7 +123,7 @@ def weight_gradient(
             visitor,
             nodes_to_wrappers,
         )
-        ops.append(op)
+        ops += more
     elif cg == 1:
         # Depthwise: [N, S, C] -> [S, C, N] is I up to a Reshape, and with batch 1
         # it is I already. Not the general form below: for batch 1, a 1x1
@@ -137,10 +139,10 @@ def weight_gradient(
                 f"{base}_flat", x, [n, merged, cin], dtype, visitor, nodes_to_wrappers
             )
             ops.append(op)
-            op, source, _ = _transpose(
+            more, source, _ = _transpose(
                 f"{base}_swap", flat, [n, merged, cin], (1, 2, 0), dtype, visitor, nodes_to_wrappers
             )
-            ops.append(op)
+            ops += more
         op, image = _reshape(
             f"{base}_image", source, [1, *spatial, cin * n], dtype, visitor, nodes_to_wrappers
         )
@@ -152,17 +154,17 @@ def weight_gradient(
         split_shape = [n, merged, groups, cg]
         op, split = _reshape(f"{base}_split", x, split_shape, dtype, visitor, nodes_to_wrappers)
         ops.append(op)
-        op, swapped, _ = _transpose(
+        more, swapped, _ = _transpose(
             f"{base}_swap", split, split_shape, (3, 1, 2, 0), dtype, visitor, nodes_to_wrappers
         )
-        ops.append(op)
+        ops += more
         op, image = _reshape(
             f"{base}_image", swapped, [cg, *spatial, groups * n], dtype, visitor, nodes_to_wrappers
         )
         ops.append(op)
 
     # F = [*out, N, C_out]: grad_output as an HWIO filter.
-    op, filt, _ = _transpose(
+    more, filt, _ = _transpose(
         f"{base}_filter",
         grad_output,
         list(grad_output_shape),
@@ -171,7 +173,7 @@ def weight_gradient(
         visitor,
         nodes_to_wrappers,
     )
-    ops.append(op)
+    ops += more
 
     plan = geo.plan_weight_gradient(conv)
     if plan.stuffs_filter:
@@ -214,7 +216,10 @@ def weight_gradient(
         ops.append(qnn_ops.zero_pad(f"{base}_zero_taps", computed, hwio, amounts))
 
     # [Cg, *k, C_out] -> OIHW [C_out, Cg, *k]
-    ops.append(qnn_ops.transpose(f"{base}_oihw", hwio, result, (last, 0, *dims)))
+    to_oihw = (last, 0, *dims)
+    ops += qnn_ops.weight_transpose(
+        visitor, f"{base}_oihw", hwio, hwio_shape, to_oihw, result, dtype, nodes_to_wrappers
+    )
     return ops
 
 

@@ -150,7 +150,8 @@ def weight_for_input_gradient(
 
 
 def _hwoi_from(visitor, weight_node, hwio, ops: list, order, nodes_to_wrappers) -> WeightTensors:
-    """HWIO -> HWOI (kernel dims in ``order``): one Transpose, built once per weight."""
+    """HWIO -> HWOI (kernel dims in ``order``): ``qnn_ops.weight_transpose``, built once
+    per weight."""
     name = hwoi_name(weight_node, order)
     cached = nodes_to_wrappers.get(name, {}).get(0)
     if cached is not None:
@@ -161,9 +162,10 @@ def _hwoi_from(visitor, weight_node, hwio, ops: list, order, nodes_to_wrappers) 
     perm = [geo.hwio_to_hwoi(spatial)[i] for i in _order_kernel(order, spatial)]
     hwoi_shape = [hwio_shape[i] for i in perm]
     hwoi = qnn_ops.native_tensor(visitor, name, hwoi_shape, weight.dtype, nodes_to_wrappers)
-    return WeightTensors(
-        hwio, hwoi, [*ops, qnn_ops.transpose(f"{name}_transpose", hwio, hwoi, perm)]
+    permute = qnn_ops.weight_transpose(
+        visitor, f"{name}_transpose", hwio, hwio_shape, perm, hwoi, weight.dtype, nodes_to_wrappers
     )
+    return WeightTensors(hwio, hwoi, [*ops, *permute])
 
 
 def _dilated_in_graph(

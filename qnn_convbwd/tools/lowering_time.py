@@ -75,7 +75,13 @@ _BACKEND_CALLS = ("QnnBackend.preprocess", "QnnBackend.preprocess_multimethod")
 
 
 def _op_type(wrapper: object) -> str:
-    return wrapper.GetOpWrapper().GetOpType()
+    """The QNN op type; a Transpose also names its rank (QAIRT's cost depends on it)."""
+    op = wrapper.GetOpWrapper()
+    kind = op.GetOpType()
+    if kind == "Transpose":
+        rank = len(op.GetOpConfig()["inputTensors"][0].v2.dimensions)
+        return f"{kind} (rank {rank})"
+    return kind
 
 
 @contextlib.contextmanager

@@ -32,6 +32,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from qnn_convbwd.geometry import conv as geo  # noqa: E402
+from qnn_convbwd.geometry import permutation  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
 from qnn_convbwd.tools import lowering_time  # noqa: E402
 
@@ -134,10 +136,11 @@ class Permute(torch.nn.Module):
         self.collapsed = collapsed
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        out_c, in_c, kh, kw = weight.shape
-        if self.collapsed:
-            return weight.reshape(out_c, in_c, kh * kw).permute(2, 1, 0) * 2.0
-        return weight.permute(2, 3, 1, 0) * 2.0
+        if self.collapsed:  # as ``qnn_ops.weight_transpose`` emits it
+            view = permutation.collapse(weight.shape, geo.OIHW_TO_HWIO)
+            moved = weight.reshape(view.source_shape).permute(view.perm)
+            return moved.reshape(view.result_shape) * 2.0
+        return weight.permute(geo.OIHW_TO_HWIO) * 2.0
 
 
 def micro_rows(configs: list[str], sizes: list[int], soc: str) -> list[dict]:

@@ -131,15 +131,15 @@ class RuntimeWeightConv(torch.nn.Module):
 class Permute(torch.nn.Module):
     """A run-time weight permuted OIHW -> HWIO, as one 4-D or one collapsed transpose."""
 
-    def __init__(self, collapsed: bool) -> None:
+    def __init__(self, shape: torch.Size, collapsed: bool) -> None:
         super().__init__()
-        self.collapsed = collapsed
+        # as ``qnn_ops.weight_transpose`` emits it
+        self.view = permutation.collapse(shape, geo.OIHW_TO_HWIO) if collapsed else None
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        if self.collapsed:  # as ``qnn_ops.weight_transpose`` emits it
-            view = permutation.collapse(weight.shape, geo.OIHW_TO_HWIO)
-            moved = weight.reshape(view.source_shape).permute(view.perm)
-            return moved.reshape(view.result_shape) * 2.0
+        if self.view is not None:
+            moved = weight.reshape(self.view.source_shape).permute(self.view.perm)
+            return moved.reshape(self.view.result_shape) * 2.0
         return weight.permute(geo.OIHW_TO_HWIO) * 2.0
 
 
@@ -151,7 +151,7 @@ def micro_rows(configs: list[str], sizes: list[int], soc: str) -> list[dict]:
         cin, cout, k = (int(v) for v in config.split("x"))
         weight = torch.randn(cout, cin, k, k)
         for name, collapsed in (("4-D", False), ("collapsed", True)):
-            program = torch.export.export(Permute(collapsed), (weight,), strict=True)
+            program = torch.export.export(Permute(weight.shape, collapsed), (weight,), strict=True)
             rows.append(row(f"{config} weight permutation, {name}", program, soc))
         for size in sizes:
             torch.manual_seed(0)

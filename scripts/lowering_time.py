@@ -12,8 +12,9 @@ the program and the QNN ops of the delegates by type.
 input size, lowered as the forward alone with the weight frozen, the forward
 alone with the weight a run-time input, and the training step (grad_input and
 grad_weight); plus the weight permutation alone (a graph input permuted from
-OIHW to HWIO, and the same values as a rank-2 transpose), to isolate what
-QNN's finalisation costs for each.
+OIHW to HWIO, and the same as the collapsed Transpose ``qnn_ops.weight_transpose``
+emits) and, as the control, the weight only scaled, taken as an OIHW input and as an
+``[O, I*k*k]`` one, to isolate what QNN's finalisation costs for each.
 
     PYTHONPATH=. python scripts/lowering_time.py model resnet18 last_layers --soc SM8650
     PYTHONPATH=. python scripts/lowering_time.py micro 512x512x1 512x512x3 --sizes 4 8
@@ -143,6 +144,13 @@ class Permute(torch.nn.Module):
         return weight.permute(geo.OIHW_TO_HWIO) * 2.0
 
 
+class Scale(torch.nn.Module):
+    """No permutation at all: the control for ``Permute`` (an input of the same elements)."""
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * 2.0
+
+
 def micro_rows(configs: list[str], sizes: list[int], soc: str) -> list[dict]:
     from torch.export.experimental import _export_forward_backward
 
@@ -153,6 +161,9 @@ def micro_rows(configs: list[str], sizes: list[int], soc: str) -> list[dict]:
         for name, collapsed in (("4-D", False), ("collapsed", True)):
             program = torch.export.export(Permute(weight.shape, collapsed), (weight,), strict=True)
             rows.append(row(f"{config} weight permutation, {name}", program, soc))
+        for name, value in (("OIHW", weight), ("[O, I*k*k]", weight.reshape(cout, -1))):
+            program = torch.export.export(Scale(), (value,), strict=True)
+            rows.append(row(f"{config} no permutation, {name} input", program, soc))
         for size in sizes:
             torch.manual_seed(0)
             conv = Conv(cin, cout, k)

@@ -8,7 +8,6 @@ import numpy as np
 import torch
 
 from .. import integration
-from ..geometry import permutation
 
 
 def adaptor_enum(name: str):
@@ -161,41 +160,6 @@ def transpose(name: str, source, result, perm: Sequence[int]):
     op = new_op(name, names.op_name, [source], [result])
     uint32_param(op, names.param_perm, perm)
     return op
-
-
-def weight_transpose(
-    visitor,
-    name: str,
-    source,
-    source_shape: Sequence[int],
-    perm: Sequence[int],
-    result,
-    dtype: torch.dtype,
-    nodes_to_wrappers,
-) -> list:
-    """Ops writing ``source`` permuted by ``perm`` into ``result``, with the smallest Transpose.
-
-    ``permutation.collapse`` gives the view: a Reshape to it (when it differs
-    from ``source_shape``), one Transpose of the smallest rank (none when the
-    permutation moves no element) and a Reshape to ``result``'s shape.
-    """
-    view = permutation.collapse(source_shape, perm)
-    if not view.transposes:
-        return [reshape(f"{name}_op", source, result)]
-    ops = []
-    if view.source_shape != tuple(int(v) for v in source_shape):
-        collapsed = native_tensor(
-            visitor, f"{name}_collapsed", view.source_shape, dtype, nodes_to_wrappers
-        )
-        ops.append(reshape(f"{name}_collapse", source, collapsed))
-        source = collapsed
-    if view.permuted_shape == view.result_shape:
-        return [*ops, transpose(f"{name}_op", source, result, view.perm)]
-    permuted = native_tensor(
-        visitor, f"{name}_permuted", view.permuted_shape, dtype, nodes_to_wrappers
-    )
-    ops.append(transpose(f"{name}_op", source, permuted, view.perm))
-    return [*ops, reshape(f"{name}_expand", permuted, result)]
 
 
 def bool_scalar(op, name: str, value: bool) -> None:

@@ -5,10 +5,9 @@ program being compiled: a trainable parameter (``qnn_convbwd.signature``: the
 partitioner keeps those top-level, so inside the delegate they are graph
 inputs), or any other tensor a user feeds or a node computes. Such a weight
 enters the QNN graph in torch's layout (``OIHW``, or ``IOHW`` for a transposed
-convolution) and ``qnn_ops.weight_transpose`` makes the ``HWIO`` filter the Conv
-ops take (a Transpose of the smallest rank, between Reshapes).
+convolution) and one Transpose makes the ``HWIO`` filter the Conv ops take.
 That HWIO tensor is cached by name, so the forward convolution and the
-backward ops of the same weight read one tensor and the permutation is built
+backward ops of the same weight read one tensor and the Transpose is built
 once per graph (by whichever reader is built first).
 
 While executorch's partitioner validates ops, the program is the top-level
@@ -108,13 +107,11 @@ def runtime_filter(
     source, order = runtime_tensor(visitor, weight_node, build_node, nodes_to_wrappers)
     value = weight_node.meta["val"]
     perm = [order.index(dim) for dim in filter_order]
-    physical = [int(value.shape[dim]) for dim in order]
     shape = [int(value.shape[dim]) for dim in filter_order]
     result = qnn_ops.native_tensor(visitor, name, shape, value.dtype, nodes_to_wrappers)
-    ops = qnn_ops.weight_transpose(
-        visitor, name, source, physical, perm, result, value.dtype, nodes_to_wrappers
-    )
-    return ops, result
+    if perm == sorted(perm):
+        return [qnn_ops.reshape(f"{name}_op", source, result)], result
+    return [qnn_ops.transpose(f"{name}_op", source, result, perm)], result
 
 
 def runtime_hwio(visitor, weight_node, build_node, nodes_to_wrappers) -> tuple[list, object]:

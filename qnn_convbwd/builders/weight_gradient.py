@@ -35,11 +35,9 @@ from . import qnn_ops
 
 
 def _transpose(name: str, source, shape: Sequence[int], perm: Sequence[int], dtype, visitor, n2w):
-    """``(ops, result, result shape)``: ``source`` permuted, the Transpose collapsed."""
     out_shape = [shape[i] for i in perm]
     result = qnn_ops.native_tensor(visitor, name, out_shape, dtype, n2w)
-    ops = qnn_ops.weight_transpose(visitor, name, source, shape, perm, result, dtype, n2w)
-    return ops, result, out_shape
+    return qnn_ops.transpose(f"{name}_op", source, result, perm), result, out_shape
 
 
 def _reshape(name: str, source, shape: Sequence[int], dtype, visitor, n2w):
@@ -114,7 +112,7 @@ def weight_gradient(
 
     # I = [Cg, *spatial, groups * N]: batch and channels exchanged, groups kept apart.
     if groups == 1:
-        more, image, _ = _transpose(
+        op, image, _ = _transpose(
             f"{base}_image",
             x,
             [n, *spatial, cin],
@@ -123,7 +121,7 @@ def weight_gradient(
             visitor,
             nodes_to_wrappers,
         )
-        ops += more
+        ops.append(op)
     elif cg == 1:
         # Depthwise: [N, S, C] -> [S, C, N] is I up to a Reshape, and with batch 1
         # it is I already. Not the general form below: for batch 1, a 1x1
@@ -139,10 +137,10 @@ def weight_gradient(
                 f"{base}_flat", x, [n, merged, cin], dtype, visitor, nodes_to_wrappers
             )
             ops.append(op)
-            more, source, _ = _transpose(
+            op, source, _ = _transpose(
                 f"{base}_swap", flat, [n, merged, cin], (1, 2, 0), dtype, visitor, nodes_to_wrappers
             )
-            ops += more
+            ops.append(op)
         op, image = _reshape(
             f"{base}_image", source, [1, *spatial, cin * n], dtype, visitor, nodes_to_wrappers
         )
@@ -154,17 +152,17 @@ def weight_gradient(
         split_shape = [n, merged, groups, cg]
         op, split = _reshape(f"{base}_split", x, split_shape, dtype, visitor, nodes_to_wrappers)
         ops.append(op)
-        more, swapped, _ = _transpose(
+        op, swapped, _ = _transpose(
             f"{base}_swap", split, split_shape, (3, 1, 2, 0), dtype, visitor, nodes_to_wrappers
         )
-        ops += more
+        ops.append(op)
         op, image = _reshape(
             f"{base}_image", swapped, [cg, *spatial, groups * n], dtype, visitor, nodes_to_wrappers
         )
         ops.append(op)
 
     # F = [*out, N, C_out]: grad_output as an HWIO filter.
-    more, filt, _ = _transpose(
+    op, filt, _ = _transpose(
         f"{base}_filter",
         grad_output,
         list(grad_output_shape),
@@ -173,7 +171,7 @@ def weight_gradient(
         visitor,
         nodes_to_wrappers,
     )
-    ops += more
+    ops.append(op)
 
     plan = geo.plan_weight_gradient(conv)
     if plan.stuffs_filter:
@@ -216,10 +214,7 @@ def weight_gradient(
         ops.append(qnn_ops.zero_pad(f"{base}_zero_taps", computed, hwio, amounts))
 
     # [Cg, *k, C_out] -> OIHW [C_out, Cg, *k]
-    to_oihw = (last, 0, *dims)
-    ops += qnn_ops.weight_transpose(
-        visitor, f"{base}_oihw", hwio, hwio_shape, to_oihw, result, dtype, nodes_to_wrappers
-    )
+    ops.append(qnn_ops.transpose(f"{base}_oihw", hwio, result, (last, 0, *dims)))
     return ops
 
 

@@ -141,7 +141,7 @@ def weight_for_input_gradient(
         )
     else:
         ops, hwio = [], static_weight_hwio(visitor, weight_node, build_node, nodes_to_wrappers)
-    plain = _hwoi_from(visitor, weight_node, hwio, ops, order, nodes_to_wrappers, run_time)
+    plain = _hwoi_from(visitor, weight_node, hwio, ops, order, nodes_to_wrappers)
     if any(d != 1 for d in conv.dilation):
         return _dilated_in_graph(
             visitor, weight_node, plain, conv.dilation, order, nodes_to_wrappers
@@ -149,15 +149,8 @@ def weight_for_input_gradient(
     return plain
 
 
-def _hwoi_from(
-    visitor, weight_node, hwio, ops: list, order, nodes_to_wrappers, run_time: bool
-) -> WeightTensors:
-    """HWIO -> HWOI (kernel dims in ``order``), built once per weight.
-
-    A run-time weight's permutation is ``qnn_ops.weight_transpose`` (the smallest
-    Transpose: QAIRT's finalisation of a rank-4 one is slow). A static weight's
-    is one Transpose, which QAIRT folds into a static tensor (weight_bytes.md).
-    """
+def _hwoi_from(visitor, weight_node, hwio, ops: list, order, nodes_to_wrappers) -> WeightTensors:
+    """HWIO -> HWOI (kernel dims in ``order``): one Transpose, built once per weight."""
     name = hwoi_name(weight_node, order)
     cached = nodes_to_wrappers.get(name, {}).get(0)
     if cached is not None:
@@ -168,14 +161,9 @@ def _hwoi_from(
     perm = [geo.hwio_to_hwoi(spatial)[i] for i in _order_kernel(order, spatial)]
     hwoi_shape = [hwio_shape[i] for i in perm]
     hwoi = qnn_ops.native_tensor(visitor, name, hwoi_shape, weight.dtype, nodes_to_wrappers)
-    if not run_time:
-        return WeightTensors(
-            hwio, hwoi, [*ops, qnn_ops.transpose(f"{name}_transpose", hwio, hwoi, perm)]
-        )
-    permute = qnn_ops.weight_transpose(
-        visitor, f"{name}_transpose", hwio, hwio_shape, perm, hwoi, weight.dtype, nodes_to_wrappers
+    return WeightTensors(
+        hwio, hwoi, [*ops, qnn_ops.transpose(f"{name}_transpose", hwio, hwoi, perm)]
     )
-    return WeightTensors(hwio, hwoi, [*ops, *permute])
 
 
 def _dilated_in_graph(

@@ -1,8 +1,11 @@
 """A tensor permutation in its smallest form: unit dims dropped, adjacent dims merged.
 
-QAIRT's graph finalisation for the HTP costs far more for a rank-4 Transpose of
-a large run-time tensor than for a rank-2 or rank-3 one that moves the same
-elements (docs/lowering_time.md). A permutation ``perm`` of a tensor of shape
+``scripts/lowering_time.py`` builds with it the collapsed formulation of a
+weight permutation, to measure what QAIRT's finalisation costs for it against
+the rank-4 Transpose the builders emit (docs/lowering_time.md: it was not
+cheaper, so the builders do not use it).
+
+A permutation ``perm`` of a tensor of shape
 ``shape`` (result dim ``i`` is source dim ``perm[i]``) moves the same elements
 as the Transpose of a collapsed view:
 

@@ -124,6 +124,8 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "QnnBackend._build_op_wrappers",
         "patched: delegate outputs built in signature order; observed by capture_qnn_graphs",
     ),
+    (f"{_QC}.qnn_preprocess", "QnnBackend.preprocess", "timed by tools.lowering_time"),
+    (f"{_QC}.qnn_preprocess", "QnnBackend.preprocess_multimethod", "timed by tools.lowering_time"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "PyQnnOpWrapper", "builds QNN ops"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_TensorType_t", "QNN tensor types"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_DataType_t", "QNN data types"),

@@ -125,6 +125,11 @@ def shared_prefix(names: Sequence[str]) -> str:
     return ""
 
 
+# Buffers the plugin's passes add to a program (``passes.dropout.STEP_BUFFER``) start
+# with this: they are program state, not the module's, so no state_dict holds them.
+PLUGIN_BUFFER_PREFIX = "qnn_convbwd_"
+
+
 class StateDictError(ValueError):
     """A state dict that does not fit the program (names, shapes or baked-in values)."""
 
@@ -281,7 +286,8 @@ class TrainingSession:
         eager = self.layout.eager_name
         targets = {eager(n): ("parameter", t) for n, t in self._parameters.items()}
         for name in self._buffer_names:
-            if name not in self.layout.transient:
+            # The plugin's own buffers (the dropout step counter) are not the module's.
+            if name not in self.layout.transient and not name.startswith(PLUGIN_BUFFER_PREFIX):
                 targets[eager(name)] = ("buffer", self._forward.get_attribute(name))
         for name, value in self.layout.constants.items():
             targets[name] = ("constant", value)

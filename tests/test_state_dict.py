@@ -284,3 +284,31 @@ def test_external_weights_session_keeps_its_state(qnn_sdk):
     _assert_state_close(resumed.state_dict(), state, rtol=0, atol=0)
     session.close()
     resumed.close()
+
+
+class WithDropout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.b = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.drop, self.fc = nn.Dropout(0.5), nn.Linear(8, 10)
+
+    def forward(self, x):
+        return self.fc(self.drop(torch.relu(self.b(self.c(x))).mean((2, 3))))
+
+
+def test_dropout_step_counter_is_not_in_the_state_dict(qnn_sdk):
+    """The program's dropout step counter is the plugin's state, not the module's: the
+    eager model loads the session's state strictly, after steps as before them."""
+    torch.manual_seed(0)
+    model = WithDropout().train()
+    x, y = _batches(1)[0]
+    module = training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy)
+    program = training.lower_for_training(module, (x, y), harness.compile_specs("SM8350"))
+    session = program.session(LR)
+    assert any(name.startswith(training.PLUGIN_BUFFER_PREFIX) for name in session.buffers())
+    session.step([x, y])
+    state = session.state_dict()
+    assert set(state) == set(model.state_dict())
+    model.load_state_dict(state)
+    session.load_state_dict(state)
+    session.close()

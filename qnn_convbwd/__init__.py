@@ -18,6 +18,7 @@ _PUBLIC = {
     "Report": "api",
     "ReportRow": "api",
     "SideEffects": "api",
+    "compile_specs": "toolchain.harness",
     "decide": "api",
     "disable": "api",
     "enable": "api",
@@ -34,6 +35,7 @@ __all__ = [
     "Report",
     "ReportRow",
     "SideEffects",
+    "compile_specs",
     "decide",
     "disable",
     "enable",
@@ -58,6 +60,7 @@ if TYPE_CHECKING:
         side_effects,
     )
     from .passes.max_pool_backward import MaxPoolBackwardOnCpu
+    from .toolchain.harness import compile_specs
 
 
 def __getattr__(name: str):

@@ -40,6 +40,8 @@ SCHEMES = ("full", "last-layers", "bias-only", "adapter")
 ADAPTED_BLOCKS = 2
 TRAIN_SAMPLES, TEST_SAMPLES = 1500, 297  # scikit-learn's 1,797 digits
 EXTRA = "pip install 'qnn-convbwd[finetune]'"
+# The torch copy's dropout masks in ``fit``: the program's, or its own.
+TORCH_MASKS = ("program", "own")
 
 
 class MissingDependency(ImportError):
@@ -392,6 +394,7 @@ def fit(
     seed: int = 0,
     cpu_only: bool = False,
     train_mode: bool = True,
+    torch_masks: str = "program",
     eval_every: int | None = None,
     on_progress: Callable[[FitResult, int, Evaluation | None], None] | None = None,
 ) -> FitResult:
@@ -404,8 +407,11 @@ def fit(
     epoch) and the samples past the last full batch are dropped that epoch; a
     ``DataLoader``'s batches of another size are skipped. ``steps`` or ``epochs``
     (one epoch when neither) says how long. ``scheme`` is applied to the copy
-    (``apply_scheme``). The models train in ``train()`` (batch statistics, dropout;
-    each side draws its own dropout masks), or in ``eval()`` with ``train_mode=False``.
+    (``apply_scheme``). The models train in ``train()`` (batch statistics, dropout),
+    or in ``eval()`` with ``train_mode=False``. The program draws its dropout masks
+    from ``seed``; ``torch_masks="program"`` has the torch copy drop the same elements
+    (``passes.dropout.ProgramMasks``), so the two runs differ by their arithmetic
+    alone, and ``"own"`` has it draw its own masks from ``seed``.
 
     Both are evaluated before the first step, every ``eval_every`` steps (default:
     each epoch) and after the last: the program's accuracy is an eager copy's in
@@ -417,10 +423,14 @@ def fit(
     ``steps`` done of ``total``) and the evaluation made at that step, if any.
     """
     from . import training
+    from .api import enabled
+    from .passes import dropout
     from .toolchain import harness
 
     if steps is not None and epochs is not None:
         raise ValueError("give steps or epochs, not both")
+    if torch_masks not in TORCH_MASKS:
+        raise ValueError(f"torch_masks={torch_masks!r}: one of {', '.join(TORCH_MASKS)}")
     net = apply_scheme(copy.deepcopy(model), scheme)
     net.train(train_mode)
     trainable = trainable_names(net)
@@ -444,9 +454,13 @@ def fit(
     batches = _batches(train, batch, seed)
     first = next(batches)
     target_soc = "SM8350" if cpu_only else soc
-    program = training.lower_for_training(
-        training.WithLoss(copy.deepcopy(net), loss), first, harness.compile_specs(target_soc)
-    )
+    wrapped = training.WithLoss(copy.deepcopy(net), loss)
+    with enabled(dropout_seed=seed):
+        program = training.lower_for_training(wrapped, first, harness.compile_specs(target_soc))
+    sites: list[dropout.Site] = []
+    if train_mode and torch_masks == "program":
+        # The program's draws, recomputed from the seed: the joint graph, rewritten.
+        _, sites = dropout.rewrite(training.export_joint(wrapped, first), seed)
     delegates = harness.delegate_count(program.edge)
     if cpu_only and delegates:
         raise RuntimeError(f"the CPU-only program has {delegates} delegate(s)")
@@ -477,7 +491,7 @@ def fit(
 
     try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)  # torch's dropout masks
+            torch.manual_seed(seed)  # torch's own dropout masks (torch_masks="own")
             evaluation = evaluate(0)
             if on_progress is not None:
                 on_progress(result, total, evaluation)
@@ -488,7 +502,11 @@ def fit(
                 seconds = time.perf_counter() - start
                 start = time.perf_counter()
                 optimizer.zero_grad(set_to_none=True)
-                torch_loss = loss(reference(x), y)
+                if sites:
+                    with dropout.ProgramMasks(sites, done - 1):
+                        torch_loss = loss(reference(x), y)
+                else:
+                    torch_loss = loss(reference(x), y)
                 torch_loss.backward()
                 optimizer.step()
                 torch_seconds = time.perf_counter() - start

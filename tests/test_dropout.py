@@ -213,6 +213,59 @@ def test_rewritten_program_is_torch_with_its_masks(form, p):
     assert not torch.equal(masks[0], masks[1]) and not torch.equal(masks[1], masks[2])
 
 
+class ThreeDrops(Head):
+    """``Head`` whose ``drop`` sums dropout 0.3, 1 (a constant site: no draw) and 0.6 of
+    its input."""
+
+    def __init__(self) -> None:
+        super().__init__(nn.ModuleList([nn.Dropout(0.3), nn.Dropout(1.0), nn.Dropout(0.6)]))
+
+    def forward(self, x, target):
+        h = self.fc1(x)
+        h = sum(drop(h) for drop in self.drop)
+        return nn.functional.mse_loss(self.fc2(h.relu()), target)
+
+
+@pytest.mark.parametrize("form", [*FORMS, "Dropout2d", "three"])
+def test_program_masks_make_eager_torch_compute_the_rewritten_program(form):
+    """Torch eager under ``ProgramMasks`` (the model itself, no module swapped) computes
+    what the rewritten program computes, step after step: its draws take the program's
+    sites in forward order, and a site with a constant mask draws on neither side."""
+    if form == "three":
+        model = ThreeDrops()
+    else:
+        model = Channels(0.4) if form == "Dropout2d" else FORMS[form](0.4)
+    program, inputs = _joint(model)
+    rewritten, sites = dropout.rewrite(program, seed=7)
+    if form == "three":
+        assert [site.keep for site in sites] == pytest.approx([0.7, 0.0, 0.4])
+    run = Runner(rewritten)
+    reference = copy.deepcopy(model)
+    losses = []
+    for step in range(3):
+        got = run(*inputs)
+        with dropout.ProgramMasks(sites, step):
+            want = _eager_step(reference, inputs)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+        losses.append(float(want[0]))
+    assert len(set(losses)) == 3  # a fresh mask every step
+
+
+def test_program_masks_refuse_draws_that_do_not_line_up():
+    """Sites of another model, or fewer draws than sites, are an error, not a silent
+    mismatch."""
+    head, channels = FORMS["Dropout"](0.4), Channels(0.4)
+    _, head_sites = dropout.rewrite(_joint(head)[0], seed=1)
+    _, channel_sites = dropout.rewrite(_joint(channels)[0], seed=1)
+    with pytest.raises(ValueError, match="does not match the program's site"):
+        with dropout.ProgramMasks(channel_sites, 0):
+            head(*_inputs(head))
+    with pytest.raises(ValueError, match="drew 1 dropout mask"):
+        with dropout.ProgramMasks(head_sites * 2, 0):
+            head(*_inputs(head))
+
+
 class Scaled(nn.Module):
     """``sum(dropout(x * w))``: the gradient of ``w`` is ``x * mask * scale``."""
 

@@ -31,6 +31,13 @@ def small_net(seed: int = 0) -> nn.Module:
     )
 
 
+def dropout_net(seed: int = 0) -> nn.Module:
+    """``small_net`` with dropout 0.5 before its head."""
+    net = small_net(seed)
+    net.insert(8, nn.Dropout(0.5))
+    return net
+
+
 @pytest.fixture(scope="module")
 def digits8():
     return finetune.digits(size=8)
@@ -173,6 +180,19 @@ def test_fit_cpu_only_program_tracks_torch(digits8):
     assert_tracks_torch(result, 1e-4)
     final = result.evaluations[-1]
     assert abs(final.program_accuracy - final.torch_accuracy) <= 2 / 297
+
+
+def test_fit_torch_copy_drops_what_the_program_drops(digits8):
+    """With dropout: torch on the program's masks (the default) tracks the CPU-only
+    program to float rounding; on its own masks it does not."""
+    run = dict(batch=8, steps=3, lr=0.1, cpu_only=True)
+    shared = finetune.fit(dropout_net(), digits8.train, digits8.test, **run)
+    assert_tracks_torch(shared, 1e-4)
+    own = finetune.fit(dropout_net(), digits8.train, digits8.test, torch_masks="own", **run)
+    assert [s.program_loss for s in own.steps] == [s.program_loss for s in shared.steps]
+    assert max(abs(s.program_loss - s.torch_loss) for s in own.steps) > 1e-3, own.steps
+    with pytest.raises(ValueError, match="torch_masks"):
+        finetune.fit(dropout_net(), digits8.train, digits8.test, torch_masks="mine", **run)
 
 
 @pytest.mark.htp

@@ -42,6 +42,7 @@ from torch.export.graph_signature import (
     OutputSpec,
     TensorArgument,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import integration
 
@@ -150,6 +151,52 @@ def eager(op, *args, **kwargs):
 def site_mask(site: Site, step: int) -> torch.Tensor:
     """The bool keep-mask the program draws at ``site`` when its counter is ``step``."""
     return keep(eager, torch.tensor(step, dtype=torch.int32), site.shape, site.key, site.keep)
+
+
+class ProgramMasks(TorchDispatchMode):
+    """Torch eager dropping the elements a rewritten program drops at counter ``step``.
+
+    Inside the mode, the n-th random draw of the eager forward (``bernoulli_``, which
+    CPU dropout, ``Dropout2d`` and stochastic depth all call) is filled with the keep-mask
+    of the program's n-th random site (``site_mask``); sites whose mask is a constant
+    (p 0 or 1) draw nothing on either side. A draw whose shape or probability differs
+    from its site's, or a count that differs, is an error: the masks would not line up.
+    """
+
+    def __init__(self, sites: list[Site], step: int) -> None:
+        super().__init__()
+        self.sites = [site for site in sites if site.key]
+        self.step = step
+        self.drawn = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not aten.bernoulli_.float:
+            return func(*args, **kwargs)
+        target, p = args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        if self.drawn >= len(self.sites):
+            raise ValueError(
+                f"eager draw {self.drawn} (bernoulli_ of shape {tuple(target.shape)}): the "
+                f"program has {len(self.sites)} random dropout site(s)"
+            )
+        site = self.sites[self.drawn]
+        if tuple(target.shape) != site.shape or abs(float(p) - site.keep) > 1e-6:
+            raise ValueError(
+                f"eager draw {self.drawn} (bernoulli_ of shape {tuple(target.shape)}, keep "
+                f"{float(p):g}) does not match the program's site {site.node} (shape "
+                f"{site.shape}, keep {site.keep:g})"
+            )
+        self.drawn += 1
+        return target.copy_(site_mask(site, self.step))
+
+    def __exit__(self, kind, value, traceback):
+        result = super().__exit__(kind, value, traceback)
+        if kind is None and self.drawn != len(self.sites):
+            raise ValueError(
+                f"the eager forward drew {self.drawn} dropout mask(s), the program "
+                f"{len(self.sites)}: the masks would not line up"
+            )
+        return result
 
 
 # --- the graph rewrite ------------------------------------------------------------------

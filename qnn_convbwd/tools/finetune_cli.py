@@ -51,6 +51,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the CPU-only program: the same joint graph with no QNN delegate",
     )
     parser.add_argument(
+        "--torch-masks",
+        choices=finetune.TORCH_MASKS,
+        default="program",
+        help="torch's dropout masks: the program's (the same elements dropped, default) or its own",
+    )
+    parser.add_argument(
         "--eval-mode",
         action="store_true",
         help="train in eval(): running statistics, no dropout",
@@ -156,6 +162,7 @@ def run(args: argparse.Namespace) -> int:
         f"qnn-convbwd finetune: {args.arch}, scheme {args.scheme}, in {mode}, {where}; digits "
         f"{len(data.train[1])} train / {len(data.test[1])} test at {args.size}x{args.size}, "
         f"batch {args.batch}, lr {args.lr:g}, momentum {args.momentum:g}"
+        + ("" if args.eval_mode else f"; torch's dropout masks: {args.torch_masks}")
     )
     progress = Progress(bar=sys.stdout.isatty() and not args.no_progress)
     print(progress.header())
@@ -175,6 +182,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             cpu_only=args.cpu,
             train_mode=not args.eval_mode,
+            torch_masks=args.torch_masks,
             eval_every=args.eval_every,
             on_progress=progress,
         )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import functools
 import logging
 import operator
 import os
@@ -15,212 +14,15 @@ from typing import Any
 
 import torch
 
-from . import context_cache, delegate_io, integration, logs, nodes, options, progress, signature
+from . import integration, logs, nodes, options, pipeline, progress
 from .geometry import conv as geo
-from .meta import INDICES_ON_HTP
 from .nodes import origins
-from .partition import cpu_kernel, judge, max_pool, split
+from .partition import cpu_kernel, judge
 from .partition.target import Target
-from .passes import (
-    int64_constants,
-    layout,
-    preserve_output_dtypes,
-    record_output_dtypes,
-    train_mode,
-)
-from .passes.batch_norm import StableBatchNorm
-from .passes.canonicalize import CanonicalizeConvolutionBackward
-from .passes.conv_batch_norm import FoldConvolutionBatchNorm
-from .passes.distribute_mul import DistributeMul
-from .passes.hardswish import CentredHardActivations
-from .passes.loss_scale import ScaleLoss
-from .passes.scalar_constants import PairedScalars
-from .passes.shared_constants import MergeConstantReads
-from .passes.sigmoid import StableSigmoid
 
 logger = logging.getLogger(__name__)
 
 _state_lock = threading.Lock()
-_CONTEXT_ATTR = "_qnn_convbwd_context"
-
-
-# --- hooks called from the patched executorch code ----------------------------
-# Wiring only: every verdict is partition.judge's.
-
-
-def _on_support_init(checker, edge_program, compiler_specs, skip_ids, skip_ops) -> None:
-    context = judge.Context(
-        Target.from_compile_specs(compiler_specs, edge_program),
-        frozenset(skip_ids or ()),
-        frozenset(skip_ops or ()),
-    )
-    setattr(checker, _CONTEXT_ATTR, context)
-
-
-def _is_node_supported(original, checker, node: torch.fx.Node) -> bool:
-    context: judge.Context | None = getattr(checker, _CONTEXT_ATTR, None)
-    if context is None or node.op != "call_function":
-        return original()
-    return judge.in_partitioner(
-        node, context, original, lambda other: checker.is_node_supported(None, other)
-    )
-
-
-def _after_partition(edge_program, partition_tags: dict) -> None:
-    """After partitioning: delegates larger than ``max_delegate_ops`` are split
-    (``partition.split``), trainable parameters stay top-level tensors, and int64
-    constants kept on CPU keep their stored dtype (``passes.int64_constants``); the
-    HTP shim is told the ``htp_optimization`` level before executorch's preprocess
-    creates the QNN graphs.
-
-    executorch tags a parameter whose users are all delegated into the delegate,
-    which then bakes its values into the QNN context. A parameter the joint graph
-    returns a gradient for must instead stay a program input that the delegate
-    reads at run time: ExecuTorch's training runtime updates it in place.
-    """
-    from .toolchain.sdk import request_htp_optimization
-
-    request_htp_optimization(options.current.htp_optimization)
-    if options.current.max_delegate_ops is not None:
-        split.split(edge_program, partition_tags, options.current.max_delegate_ops)
-    progress.partitioned(len(partition_tags))
-    quant_key = integration.get("QCOM_QUANT_ATTRS")
-    for node in signature.trainable_placeholders(edge_program):
-        if "delegation_tag" not in node.meta:
-            continue
-        if any(n.meta.get(quant_key) for n in (node, *node.users)):
-            # Quantized (by its metadata): the delegate takes it only as an encoded
-            # constant, so it stays baked and will not see optimizer updates.
-            logger.warning(
-                "%s: trainable but quantized: baked into the delegate as a constant "
-                "(training a quantized program does not update it)",
-                node.name,
-            )
-            continue
-        del node.meta["delegation_tag"]
-        logger.debug("%s: trainable, kept as a delegate input", node.name)
-    int64_constants.restore_cpu_constant_dtypes(edge_program)
-    _keep_buffer_values(edge_program)
-    _check_pool_indices_stay_inside(edge_program)
-
-
-def _keep_buffer_values(edge_program) -> None:
-    """Mutated buffers (running statistics, counters) keep their values in the program.
-
-    executorch serialises only the shape and dtype of a buffer the program mutates,
-    unless its placeholder is marked ``et_init_buffer``: a running variance would
-    start at zero instead of one. The partition rules keep a mutated buffer's reads
-    and writes on CPU (``program_state_on_cpu``); one tagged into a delegate anyway
-    would stop being a buffer of the program, so that is an error here rather than a
-    program that silently stops updating it.
-    """
-    signature = edge_program.graph_signature
-    mutated = set(signature.buffers_to_mutate.values())
-    for node in edge_program.graph.nodes:
-        if node.op != "placeholder" or signature.inputs_to_buffers.get(node.name) not in mutated:
-            continue
-        node.meta["et_init_buffer"] = True
-        if "delegation_tag" in node.meta:
-            raise RuntimeError(
-                f"{node.name}: the mutated buffer {signature.inputs_to_buffers[node.name]} was "
-                f"tagged into {node.meta['delegation_tag']}: its updates would be lost "
-                "(report this graph)"
-            )
-
-
-def _check_pool_indices_stay_inside(edge_program) -> None:
-    """A forward pool delegated with its indices must share its delegate with every
-    reader of them: they are int32 in QNN but int64 in the program, so crossing
-    between delegates would hand one delegate's int32 bytes to an int64 tensor.
-    The partition rule makes this so; this is the check that it did."""
-    for node in edge_program.graph.nodes:
-        if not node.meta.get(INDICES_ON_HTP) or "delegation_tag" not in node.meta:
-            continue
-        tag = node.meta["delegation_tag"]
-        for user in max_pool.indices_users(node):
-            if user.meta.get("delegation_tag") != tag:
-                raise RuntimeError(
-                    f"{max_pool.FORWARD_OP} {node.name}: delegated with its indices in "
-                    f"{tag}, but {user.name} reads them in "
-                    f"{user.meta.get('delegation_tag', 'the CPU program')}: the int32 "
-                    "indices would cross delegates as int64 (report this graph)"
-                )
-
-
-def _prepare(program: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """The train-mode rewrites of the ATen program, with the current options."""
-    return train_mode.prepare(program, dropout_seed=options.current.dropout_seed)
-
-
-def _pre_decomposition(exported_program):
-    """The stock flow's first plugin hook: a lowering starts."""
-    progress.begin_implicit()
-    return _prepare(exported_program)
-
-
-def _before_build(edge_program) -> None:
-    progress.phase(progress.BUILD, new_delegate=True)
-
-
-def _compile(original, compile_specs, graph_names, op_wrapper_lists, programs):
-    binary = context_cache.compile_through_cache(
-        original, compile_specs, graph_names, op_wrapper_lists, programs
-    )
-    progress.delegate_done()
-    return binary
-
-
-def _hooks() -> integration.Hooks:
-    from .builders import op_max_pool_backward, op_max_pool_with_indices
-    from .builders.op_convolution import define_convolution
-    from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
-
-    hooks = integration.Hooks()
-    hooks.visitor_targets = {
-        TARGET: ConvolutionBackwardVisitor,
-        op_max_pool_backward.TARGET: op_max_pool_backward.MaxPoolBackwardVisitor,
-    }
-    hooks.layout_sensitive_ops = (
-        integration.get("ops").edge.aten.convolution_backward.default,
-        integration.get("ops").edge.aten.max_pool2d_with_indices_backward.default,
-    )
-    hooks.on_support_init = _on_support_init
-    hooks.is_node_supported = _is_node_supported
-    hooks.transform_pass = CanonicalizeConvolutionBackward
-    # CentredHardActivations before DistributeMul: a gate a * (clamp(..) + 1/2) is distributed.
-    # FoldConvolutionBatchNorm before StableBatchNorm: the pairs it cannot fold are decomposed.
-    # PairedScalars after both: they write x * (1/6) and a * k.
-    hooks.extra_transform_passes = (
-        FoldConvolutionBatchNorm,
-        StableBatchNorm,
-        StableSigmoid,
-        CentredHardActivations,
-        DistributeMul,
-        PairedScalars,
-        ScaleLoss,
-    )
-    hooks.late_transform_passes = (MergeConstantReads,)
-    hooks.layout_edge_condition = layout.is_edge_condition
-    hooks.layout_mark = layout.mark_as_transformed
-    hooks.record_output_dtypes = record_output_dtypes
-    hooks.preserve_output_dtypes = preserve_output_dtypes
-    hooks.conv_define = define_convolution
-    hooks.visitor_wraps = (
-        (op_max_pool_with_indices.TARGET, op_max_pool_with_indices.define_max_pool),
-        (op_max_pool_with_indices.CAST_TARGET, op_max_pool_with_indices.define_indices_cast),
-    )
-    hooks.pre_decomposition = _pre_decomposition
-    hooks.training_metadata = signature.runtime_training_metadata
-    hooks.after_partition = _after_partition
-    hooks.before_partition = functools.partial(progress.phase, progress.PARTITION)
-    hooks.before_build = _before_build
-    hooks.compile = _compile
-    hooks.after_build = functools.partial(
-        delegate_io.bind_outputs_in_order,
-        output_names=integration.qnn_output_names,
-        tensor_names=integration.qnn_tensor_names,
-    )
-    return hooks
 
 
 # --- public API -------------------------------------------------------------------
@@ -279,7 +81,7 @@ def enable(**overrides: Any) -> SideEffects:
             info = None
         options.update(**overrides)
         was_installed = integration.installed()
-        integration.install(_hooks())
+        integration.install(pipeline.hooks())
         logs.quiet_libraries()  # after install: executorch's modules are imported now
         if was_installed and _side_effects is not None:
             return _side_effects
@@ -476,7 +278,7 @@ def _qualcomm_passes(program, compiler_specs, skip_node_id_set=None, skip_node_o
     graph's scalar comparisons became tensor ones), so they run on a copy: the
     caller's program stays as it was, to be lowered again or judged.
     """
-    program = _prepare(copy.deepcopy(program))
+    program = pipeline.prepare_aten(copy.deepcopy(program))
     backend = integration.get("flatbuffer_to_option")(
         integration.get("generate_qnn_executorch_option")(compiler_specs)
     ).backend_options.backend_type

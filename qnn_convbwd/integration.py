@@ -324,9 +324,9 @@ class Hooks:
     # (original, checker, node); original(skip_node_id_set=None) runs executorch's check,
     # with ``skip_node_id_set`` in place of the checker's own when given.
     is_node_supported: Callable[[Callable[..., bool], Any, Any], bool]
-    transform_pass: type  # added to QnnPassManager's to_edge transform passes
-    # More to_edge transform passes, ordered like ``transform_pass`` (before it).
-    extra_transform_passes: tuple[type, ...] = ()
+    # Added to QnnPassManager's to_edge transform passes, in this order, before
+    # executorch's LayoutTransform and I64toI32.
+    transform_passes: tuple[type, ...] = ()
     # to_edge transform passes run after executorch's I64toI32 and LayoutTransform
     # (both re-trace the graph), before AnnotateGetAttr.
     late_transform_passes: tuple[type, ...] = ()
@@ -396,11 +396,30 @@ def _skip_node_ids(checker: Any, ids: set) -> Iterator[None]:
         checker.skip_node_id_set = saved
 
 
-def _apply(p: _Patches, hooks: Hooks) -> None:
+def owner(path: str) -> Any:
+    """The class or module holding a listed internal ``path`` (``"Cls.attr"`` -> ``Cls``;
+    a module-level ``"name"`` -> its module), resolved as ``get`` resolves it."""
+    for module, entry, _ in INTERNALS:
+        if entry == path:
+            parent = entry.rpartition(".")[0]
+            try:
+                return _resolve(module, parent) if parent else importlib.import_module(module)
+            except (ImportError, AttributeError) as err:
+                raise ExecutorchIntegrationError(
+                    f"executorch {executorch_version()}: {module}.{entry} is missing ({err}); "
+                    f"qnn_convbwd needs executorch {SUPPORTED_EXECUTORCH}"
+                ) from err
+    raise KeyError(f"{path} is not a listed executorch internal")
+
+
+# One function per patch point; ``_apply`` runs them in this order.
+
+
+def _patch_visitors(p: _Patches, hooks: Hooks) -> None:
+    """The plugin's node visitors registered, and executorch's wrapped where asked."""
     visitors = get("_node_visitor_dict")
     for target, cls in hooks.visitor_targets.items():
         p.dict_item(visitors, target, cls)
-
     for wrapped, define in ((CONV_TARGET, hooks.conv_define), *hooks.visitor_wraps):
         if define is None:
             continue
@@ -410,23 +429,22 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
             )
         p.dict_item(visitors, wrapped, _with_define(visitors[wrapped], define))
 
+
+def _patch_layout(p: _Patches, hooks: Hooks) -> None:
+    """LayoutTransform: the plugin's layout-sensitive ops, its edge test and marking."""
     sensitive = get("LayoutTransform.layout_sensitive_ops")
     for op in hooks.layout_sensitive_ops:
         p.set_add(sensitive, op)
 
-    layout = importlib.import_module(f"{_QC}._passes.layout_transform").LayoutTransform
+    layout = owner("LayoutTransform.call")
     orig_edge, orig_mark = layout.is_edge_condition, layout.mark_as_transformed
+    orig_call = layout.call
 
     def is_edge_condition(self, node):
         return hooks.layout_edge_condition(lambda n: orig_edge(self, n), self, node)
 
     def mark_as_transformed(self, node):
         hooks.layout_mark(lambda n: orig_mark(self, n), self, node)
-
-    p.set_attr(layout, "is_edge_condition", is_edge_condition)
-    p.set_attr(layout, "mark_as_transformed", mark_as_transformed)
-
-    orig_call = layout.call
 
     def call(self, graph_module):
         # annotate_layout walks the connected layout region depth first, a few Python
@@ -439,12 +457,16 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
         finally:
             sys.setrecursionlimit(limit)
 
+    p.set_attr(layout, "is_edge_condition", is_edge_condition)
+    p.set_attr(layout, "mark_as_transformed", mark_as_transformed)
     p.set_attr(layout, "call", call)
 
-    qp = importlib.import_module(f"{_QC}.partition.qnn_partitioner")
-    support_cls = qp.QnnOperatorSupport
 
+def _patch_operator_support(p: _Patches, hooks: Hooks) -> None:
+    """QnnOperatorSupport: keeps its compile specs and asks the plugin's rules."""
+    support_cls = owner("QnnOperatorSupport.is_node_supported")
     orig_init = support_cls.__init__
+    orig_supported = support_cls.is_node_supported
 
     def support_init(self, edge_program, compiler_specs, *args, **kwargs):
         orig_init(self, edge_program, compiler_specs, *args, **kwargs)
@@ -461,10 +483,6 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
             bound.get("skip_node_op_set"),
         )
 
-    p.set_attr(support_cls, "__init__", support_init)
-
-    orig_supported = support_cls.is_node_supported
-
     def is_node_supported(self, submodules, node):
         def original(skip_node_id_set=None) -> bool:
             if skip_node_id_set is None:
@@ -474,9 +492,13 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
         return hooks.is_node_supported(original, self, node)
 
+    p.set_attr(support_cls, "__init__", support_init)
     p.set_attr(support_cls, "is_node_supported", is_node_supported)
 
-    partitioner_cls = qp.QnnPartitioner
+
+def _patch_partitioner(p: _Patches, hooks: Hooks) -> None:
+    """QnnPartitioner: the ATen hook, tagging with no partition, the after-partition hook."""
+    partitioner_cls = owner("QnnPartitioner.partition")
     orig_tag_nodes = partitioner_cls.tag_nodes
 
     def tag_nodes(self, partitions, edge_program):
@@ -497,15 +519,6 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
         p.set_attr(partitioner_cls, "transform_for_pre_decomposition", pre_decomposition)
 
-    if hooks.training_metadata is not None:
-        emit = importlib.import_module("executorch.exir.emit._emit_program")
-        orig_metadata = emit._get_training_metadata
-
-        def training_metadata(methods):
-            return hooks.training_metadata(orig_metadata, methods)
-
-        p.set_attr(emit, "_get_training_metadata", training_metadata)
-
     if hooks.after_partition is not None or hooks.before_partition is not None:
         orig_partition = partitioner_cls.partition
 
@@ -519,14 +532,26 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
         p.set_attr(partitioner_cls, "partition", partition)
 
-    _patch_preprocess(p, hooks)
 
-    pm_cls = importlib.import_module(f"{_QC}._passes.qnn_pass_manager").QnnPassManager
+def _patch_training_metadata(p: _Patches, hooks: Hooks) -> None:
+    """executorch's emitter: the training metadata of a joint program."""
+    if hooks.training_metadata is None:
+        return
+    emit = owner("_get_training_metadata")
+    orig_metadata = emit._get_training_metadata
+
+    def training_metadata(methods):
+        return hooks.training_metadata(orig_metadata, methods)
+
+    p.set_attr(emit, "_get_training_metadata", training_metadata)
+
+
+def _patch_pass_manager(p: _Patches, hooks: Hooks) -> None:
+    """QnnPassManager: the plugin's to_edge transform passes, activated and ordered."""
+    pm_cls = owner("QnnPassManager.get_default_pass_activations")
     orig_activations = pm_cls.get_default_pass_activations.__func__
     orig_deps = pm_cls.get_passes_dependency_for_capture_program.__func__
-
-    plugin_passes = (*hooks.extra_transform_passes, hooks.transform_pass)
-
+    plugin_passes = hooks.transform_passes
     late_passes = hooks.late_transform_passes
 
     def activations(cls):
@@ -556,7 +581,10 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
     p.set_attr(pm_cls, "get_default_pass_activations", classmethod(activations))
     p.set_attr(pm_cls, "get_passes_dependency_for_capture_program", classmethod(dependencies))
 
-    i64 = importlib.import_module(f"{_QC}._passes.i64_to_i32").I64toI32
+
+def _patch_int64(p: _Patches, hooks: Hooks) -> None:
+    """I64toI32: the output dtypes the plugin's int32 rewrites keep."""
+    i64 = owner("I64toI32._preserve_output_dtype")
     orig_preserve = i64._preserve_output_dtype
 
     def record(self, graph_module):
@@ -567,6 +595,20 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
 
     p.set_attr(i64, "_record_original_output_dtype", record)
     p.set_attr(i64, "_preserve_output_dtype", preserve)
+
+
+def _apply(p: _Patches, hooks: Hooks) -> None:
+    for patch in (
+        _patch_visitors,
+        _patch_layout,
+        _patch_operator_support,
+        _patch_partitioner,
+        _patch_training_metadata,
+        _patch_preprocess,
+        _patch_pass_manager,
+        _patch_int64,
+    ):
+        patch(p, hooks)
 
 
 class _BuiltPrograms(threading.local):
@@ -599,8 +641,8 @@ def _patch_preprocess(p: _Patches, hooks: Hooks) -> None:
     """executorch's QnnBackend: its ops' build and the manager's Compile, hooked."""
     if hooks.after_build is None and hooks.before_build is None and hooks.compile is None:
         return
-    preprocess = importlib.import_module(f"{_QC}.qnn_preprocess")
-    backend = preprocess.QnnBackend
+    backend = owner("QnnBackend._build_op_wrappers")
+    preprocess = owner("get_current_qnn_manager")
     orig_build = backend.__dict__["_build_op_wrappers"].__func__
     built = _BuiltPrograms()
 
@@ -705,7 +747,7 @@ def qnn_output_names(wrappers: list) -> list[str]:
 @contextlib.contextmanager
 def capture_qnn_graphs() -> Iterator[list[list[QnnOpInfo]]]:
     """Record the QNN ops executorch compiles, one list per partition, while active."""
-    backend = importlib.import_module(f"{_QC}.qnn_preprocess").QnnBackend
+    backend = owner("QnnBackend._build_op_wrappers")
     original = backend.__dict__["_build_op_wrappers"]
     graphs: list[list[QnnOpInfo]] = []
 

@@ -66,8 +66,8 @@ def test_enable_is_idempotent_and_disable_restores_executorch_exactly():
     qnn_convbwd.enable()
     during = _executorch_state()
     assert "aten.convolution_backward.default" in during["visitors"]
-    hooks = qnn_convbwd.api._hooks()
-    plugin_passes = 1 + len(hooks.extra_transform_passes) + len(hooks.late_transform_passes)
+    hooks = qnn_convbwd.pipeline.hooks()
+    plugin_passes = len(hooks.transform_passes) + len(hooks.late_transform_passes)
     assert len(during["passes"]) == len(before["passes"]) + plugin_passes
     changed = {k for k in before if before[k] != during[k]}
     assert changed == set(before)  # every integration point is in effect

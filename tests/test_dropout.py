@@ -391,10 +391,10 @@ def test_dropout_seed_option():
     with pytest.raises(ValueError, match="dropout_seed"):
         options.Options(dropout_seed=1.5)
     program, _ = _joint(FORMS["Dropout"](0.5))
-    from qnn_convbwd import api
+    from qnn_convbwd import pipeline
 
     with qnn_convbwd.enabled(dropout_seed=21):
-        keyed = _keys_in_graph(api._prepare(program))
+        keyed = _keys_in_graph(pipeline.prepare_aten(program))
     assert keyed == list(dropout.round_keys(21, 0))
     drawn = []
     for _ in range(2):

@@ -530,8 +530,9 @@ def test_an_unknown_target_waits_for_the_partitioner_only_where_it_decides_again
     which the partitioner judges again with the real target, is prepared for the HTP;
     a max pool backward, which the transform pass settles for good, is made right on
     CPU. Once the target is known, both ops land on the same side."""
-    from qnn_convbwd.passes.canonicalize import CanonicalizeConvolutionBackward
+    from qnn_convbwd import pipeline
 
+    canonicalize = pipeline.at("edge")[-1].run
     program = _conv_pool_program()
     unknown = {d.op: d for d in _op_decisions(program, Target.unknown(program))}
     assert unknown["convolution_backward"].supported
@@ -552,7 +553,7 @@ def test_an_unknown_target_waits_for_the_partitioner_only_where_it_decides_again
     # split for the HTP (the partitioner decides on the halves), none is pinned on CPU;
     # the max pool backward is rewritten for CPU.
     with qnn_convbwd.enabled():
-        CanonicalizeConvolutionBackward(edge_program=program)(program.graph_module)
+        canonicalize(edge_program=program)(program.graph_module)
     convs = [n for n in program.graph.nodes if nodes.is_conv_bwd(n)]
     assert len(convs) == 3
     assert not any(n.meta.get(meta.PINNED) or n.meta.get(meta.ON_CPU) for n in convs)

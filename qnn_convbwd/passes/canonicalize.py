@@ -1,35 +1,19 @@
-"""The plugin's to_edge transform pass: convolution_backward ready for partitioning.
+"""The plugin's last to_edge transform pass: convolution_backward ready for partitioning.
 
-Rewrites, in this order:
-
-0. ``consecutive_permutes.fold_consecutive_permutes``: permute pairs (a linear
-   layer's weight gradient) folded where the outer one stands, so QNN lists
-   the delegate's outputs in the order of its signature;
-0. ``int64_constants.narrow_int64_scalar_tensors``: int64 scalar constants of
-   the integer tails (cross-entropy targets) become int32 like the rest;
-0. ``full_reductions``: int64 constants compared with integer tensors get an
-   int32 spec, and sums over every dim name their dims (a loss tail QNN takes);
-0. ``conv1d.unbake_trainable_weights``: forward 1-D convolutions read their
-   trainable weight, not the frozen copy executorch's CanonicalizeConv made;
-1. ``conv1d.lift_conv1d``: 1-D nodes become 2-D nodes with a unit height, those
-   that go to QNN and those that stay on CPU (executorch's CPU kernel computes
-   2-D nodes only);
-
-and, only on nodes the support rules delegate (and that executorch's skip
-options do not keep on CPU):
-
-2. ``split_gradients.split_input_gradient``: grad_input is split from
-   grad_weight / grad_bias;
-3. ``shape_only_operands.replace_shape_only_operands``: operands read only for
-   their shape become a static-shape ``full``;
-
-and on every ``max_pool2d_with_indices_backward``:
-
-4. ``max_pool_backward.rewrite``: delegated nodes get int32 indices and a
-   shape-only input; nodes that stay on CPU are made right there.
+``CanonicalizeConvolutionBackward`` runs a sequence of small rewrites, each a
+function ``(graph_module, Canonicalization) -> changed count`` defined here; their
+order, and why each sits where it does, is declared in ``qnn_convbwd.pipeline``
+(the ``canonicalize`` stages), which makes the pass with them (``running``). Some
+rewrite only the nodes the support rules delegate (and that executorch's skip
+options do not keep on CPU): ``Canonicalization.delegated`` is the partitioner's
+verdict, computed without executorch's own check (which needs the QNN backend).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
@@ -57,7 +41,73 @@ def _remember_names(graph: torch.fx.Graph) -> None:
             node.meta.setdefault(NAME_SEEN, node.name)
 
 
+@dataclasses.dataclass(frozen=True)
+class Canonicalization:
+    """What the rewrites of one run of the pass read."""
+
+    edge_program: Any
+    target: Target
+    context: judge.Context
+
+    def delegated(self, node: torch.fx.Node) -> bool:
+        return judge.judge(node, self.context, log=False).supported
+
+
+# --- the rewrites, in the signature the pass calls them with ----------------------------
+
+
+def unbake_conv1d_weights(graph_module: torch.fx.GraphModule, c: Canonicalization) -> int:
+    return unbake_trainable_weights(graph_module, c.edge_program)
+
+
+def narrow_int64_scalars(graph_module: torch.fx.GraphModule, c: Canonicalization) -> int:
+    return narrow_int64_scalar_tensors(graph_module)
+
+
+def narrow_int64_comparisons(graph_module: torch.fx.GraphModule, c: Canonicalization) -> int:
+    return narrow_int64_comparison_constants(graph_module, c.edge_program)
+
+
+def name_full_reductions(graph_module: torch.fx.GraphModule, c: Canonicalization) -> int:
+    return explicit_full_reductions(graph_module)
+
+
+def fold_permute_pairs(graph_module: torch.fx.GraphModule, c: Canonicalization) -> int:
+    return fold_consecutive_permutes(graph_module)
+
+
+def lift_conv1d_to_2d(graph_module: torch.fx.GraphModule, c: Canonicalization) -> int:
+    return lift_conv1d(
+        graph_module,
+        c.edge_program,
+        c.delegated,
+        lambda node: support.decide(node, c.target, log=False),
+    )
+
+
+def split_grad_input(graph_module: torch.fx.GraphModule, c: Canonicalization) -> int:
+    return split_input_gradient(graph_module, c.delegated)
+
+
+def static_shape_operands(graph_module: torch.fx.GraphModule, c: Canonicalization) -> int:
+    return replace_shape_only_operands(graph_module, c.delegated)
+
+
+def max_pool_backwards(graph_module: torch.fx.GraphModule, c: Canonicalization) -> int:
+    # Logged here: a max pool backward kept on CPU is rewritten away before partitioning.
+    return max_pool_backward.rewrite(
+        graph_module, c.target, lambda node: judge.judge(node, c.context)
+    )
+
+
+Step = Callable[[torch.fx.GraphModule, Canonicalization], int]
+
+
 class CanonicalizeConvolutionBackward(PassBase):
+    """Runs ``steps`` in order; ``running`` makes the pass with the pipeline's steps."""
+
+    steps: tuple[Step, ...] = ()
+
     def __init__(
         self,
         edge_program=None,
@@ -80,29 +130,18 @@ class CanonicalizeConvolutionBackward(PassBase):
             else Target.unknown(self.edge_program)
         )
         _remember_names(graph_module.graph)
-        # The partitioner's verdict, without executorch's check (it needs the QNN backend).
         context = judge.Context(
             target, frozenset(self.skip_node_id_set), frozenset(self.skip_node_op_set)
         )
-
-        def delegated(node: torch.fx.Node) -> bool:
-            return judge.judge(node, context, log=False).supported
-
-        changed = unbake_trainable_weights(graph_module, self.edge_program)
-        changed += narrow_int64_scalar_tensors(graph_module)
-        changed += narrow_int64_comparison_constants(graph_module, self.edge_program)
-        changed += explicit_full_reductions(graph_module)
-        changed += fold_consecutive_permutes(graph_module)
-        changed += lift_conv1d(
-            graph_module,
-            self.edge_program,
-            delegated,
-            lambda node: support.decide(node, target, log=False),
-        )
-        changed += split_input_gradient(graph_module, delegated)
-        changed += replace_shape_only_operands(graph_module, delegated)
-        # Logged here: a max pool backward kept on CPU is rewritten away before partitioning.
-        changed += max_pool_backward.rewrite(
-            graph_module, target, lambda n: judge.judge(n, context)
-        )
+        run = Canonicalization(self.edge_program, target, context)
+        changed = sum(step(graph_module, run) for step in self.steps)
         return PassResult(graph_module, changed > 0)
+
+
+def running(steps: tuple[Step, ...]) -> type[CanonicalizeConvolutionBackward]:
+    """``CanonicalizeConvolutionBackward`` running ``steps``, in that order."""
+    return type(
+        CanonicalizeConvolutionBackward.__name__,
+        (CanonicalizeConvolutionBackward,),
+        {"steps": steps, "__module__": __name__},
+    )

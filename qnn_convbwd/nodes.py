@@ -13,7 +13,8 @@ CONV_WEIGHT, CONV_BIAS = 1, 2
 CONV_BWD_WEIGHT = 2
 
 
-def _edge_aten():
+def edge_aten():
+    """executorch's edge-dialect ATen op handles (``exir_ops.edge.aten``)."""
     return integration.get("ops").edge.aten
 
 
@@ -23,26 +24,26 @@ def is_call(node: object, *targets) -> bool:
 
 def is_convolution(node: object) -> bool:
     """An edge-dialect forward ``aten.convolution``."""
-    return is_call(node, _edge_aten().convolution.default)
+    return is_call(node, edge_aten().convolution.default)
 
 
 def is_conv_bwd(node: object) -> bool:
     """An edge-dialect or ATen ``convolution_backward``."""
     return is_call(
         node,
-        _edge_aten().convolution_backward.default,
+        edge_aten().convolution_backward.default,
         torch.ops.aten.convolution_backward.default,
     )
 
 
 def is_max_pool_backward(node: object) -> bool:
     """An edge-dialect ``max_pool2d_with_indices_backward``."""
-    return is_call(node, _edge_aten().max_pool2d_with_indices_backward.default)
+    return is_call(node, edge_aten().max_pool2d_with_indices_backward.default)
 
 
 def is_max_pool_with_indices(node: object) -> bool:
     """An edge-dialect forward ``max_pool2d_with_indices``."""
-    return is_call(node, _edge_aten().max_pool2d_with_indices.default)
+    return is_call(node, edge_aten().max_pool2d_with_indices.default)
 
 
 def is_getitem_of(node: object, predicate) -> bool:

@@ -51,7 +51,7 @@ from collections.abc import Callable
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from .. import integration
+from .. import integration, nodes
 from ..geometry import conv as geo
 from ..nodes import is_conv_bwd as _is_conv_bwd
 from . import qnn_ops, runtime_tensors, transpose_conv
@@ -65,9 +65,6 @@ RUNTIME_TAIL = 64
 # Rank of the stored tensors, ``[1, n]``, and of the ops that build the run-time weight.
 FLAT_RANK = 2
 
-# Forward-convolution arguments (aten.convolution schema).
-_CONV_INPUT, _CONV_WEIGHT, _CONV_TRANSPOSED = 0, 1, 6
-
 
 def stored_layout(numel: int) -> tuple[int, int]:
     """``(head, tail)``: elements copied from the stored head, and computed in the tail.
@@ -79,17 +76,13 @@ def stored_layout(numel: int) -> tuple[int, int]:
     return numel - tail, tail
 
 
-def _edge_ops():
-    return integration.get("ops").edge.aten
-
-
 def _reads_weight_values(node: torch.fx.Node) -> bool:
     """A convolution_backward asking for grad_input (grad_weight needs only the shape)."""
     return _is_conv_bwd(node) and bool(node.args[geo.OUTPUT_MASK][0])
 
 
 def _is_forward_conv(node: torch.fx.Node) -> bool:
-    return node.op == "call_function" and node.target == _edge_ops().convolution.default
+    return node.op == "call_function" and node.target == nodes.edge_aten().convolution.default
 
 
 def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
@@ -111,7 +104,7 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
     others = [u.name for u in users if not (_is_forward_conv(u) or _is_conv_bwd(u))]
     if others:
         return f"also read by {others}"
-    if any(u.args[_CONV_TRANSPOSED] for u in forward):
+    if any(u.args[geo.F_TRANSPOSED] for u in forward):
         return "read by a transposed convolution"
     for user in filter(_reads_weight_values, users):
         try:  # a dilated filter is built in the graph from the run-time weight
@@ -273,10 +266,10 @@ def provide_runtime_weight(
 
 def forward_prelude(visitor, conv_node: torch.fx.Node, nodes_to_wrappers) -> list:
     """Before the forward Conv2d is built: its weight becomes runtime (1.0 from its input)."""
-    weight_node = conv_node.args[_CONV_WEIGHT]
+    weight_node = conv_node.args[geo.F_WEIGHT]
     if not isinstance(weight_node, torch.fx.Node):
         return []
-    sample = visitor.get_node(conv_node.args[_CONV_INPUT])
+    sample = visitor.get_node(conv_node.args[geo.F_INPUT])
     return provide_runtime_weight(visitor, weight_node, conv_node, sample, nodes_to_wrappers)
 
 

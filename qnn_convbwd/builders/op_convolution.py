@@ -21,12 +21,6 @@ from .. import integration, options
 from ..geometry import conv as geo
 from . import input_gradient_runtime_weight, qnn_ops, runtime_tensors, weights
 
-# aten.convolution(input, weight, bias, stride, padding, dilation, transposed,
-# output_padding, groups)
-_INPUT, _WEIGHT, _BIAS, _STRIDE, _PADDING, _DILATION, _TRANSPOSED, _OUTPUT_PADDING, _GROUPS = range(
-    9
-)
-
 
 def _as_list(built) -> list:
     if built is None:
@@ -41,11 +35,13 @@ def _prelude(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
 
 def define_convolution(original, visitor, node: torch.fx.Node, nodes_to_wrappers):
     """``integration.Hooks.conv_define``: executorch's visitor, or the run-time build."""
-    runtime = [runtime_tensors.reads_at_run_time(visitor, node.args[i]) for i in (_WEIGHT, _BIAS)]
+    runtime = [
+        runtime_tensors.reads_at_run_time(visitor, node.args[i]) for i in (geo.F_WEIGHT, geo.F_BIAS)
+    ]
     quant_key = integration.get("QCOM_QUANT_ATTRS")
     quantized = any(
         isinstance(n, torch.fx.Node) and n.meta.get(quant_key)
-        for n in (node, node.args[_WEIGHT], node.args[_BIAS])
+        for n in (node, node.args[geo.F_WEIGHT], node.args[geo.F_BIAS])
     )
     if quantized or not any(runtime):  # executorch's visitor encodes quantized operands
         ops = _prelude(visitor, node, nodes_to_wrappers)
@@ -76,16 +72,16 @@ def _op_class(spatial: int, transposed: bool, depthwise: bool):
 def _build(visitor, node: torch.fx.Node, nodes_to_wrappers, weight_runtime: bool, bias_runtime):
     native = qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
     static = qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_STATIC
-    input_node = visitor.get_node(node.args[_INPUT])
+    input_node = visitor.get_node(node.args[geo.F_INPUT])
     input_value = visitor.get_tensor(input_node, node)
     spatial = input_value.dim() - 2
     if spatial not in (2, 3):
         raise geo.ConvArgumentError(
             f"{node.name}: only 2-D and 3-D convolutions are built (1-D is lifted to 2-D first)"
         )
-    transposed = bool(node.args[_TRANSPOSED])
-    groups = int(node.args[_GROUPS])
-    weight_node = visitor.get_node(node.args[_WEIGHT])
+    transposed = bool(node.args[geo.F_TRANSPOSED])
+    groups = int(node.args[geo.F_GROUPS])
+    weight_node = visitor.get_node(node.args[geo.F_WEIGHT])
     ops: list = []
     if weight_runtime:
         filter_ops, conv_filter = runtime_tensors.runtime_filter(
@@ -104,8 +100,8 @@ def _build(visitor, node: torch.fx.Node, nodes_to_wrappers, weight_runtime: bool
         visitor.define_tensor(input_node, node, input_value, native, nodes_to_wrappers),
         conv_filter,
     ]
-    if node.args[_BIAS] is not None:
-        bias_node = visitor.get_node(node.args[_BIAS])
+    if node.args[geo.F_BIAS] is not None:
+        bias_node = visitor.get_node(node.args[geo.F_BIAS])
         if bias_runtime:
             bias, _ = runtime_tensors.runtime_tensor(visitor, bias_node, node, nodes_to_wrappers)
         else:
@@ -124,14 +120,16 @@ def _build(visitor, node: torch.fx.Node, nodes_to_wrappers, weight_runtime: bool
     ) and groups > 2
     names = _op_class(spatial, transposed, depthwise)
     conv = qnn_ops.new_op(node.name, names.op_name, inputs, [output])
-    qnn_ops.uint32_param(conv, names.param_stride, list(node.args[_STRIDE]))
-    qnn_ops.uint32_param(conv, names.param_pad_amount, [[p, p] for p in node.args[_PADDING]])
+    qnn_ops.uint32_param(conv, names.param_stride, list(node.args[geo.F_STRIDE]))
+    qnn_ops.uint32_param(conv, names.param_pad_amount, [[p, p] for p in node.args[geo.F_PADDING]])
     if transposed:
-        if any(d != 1 for d in node.args[_DILATION]):
+        if any(d != 1 for d in node.args[geo.F_DILATION]):
             raise geo.ConvArgumentError(f"{node.name}: TransposeConv has no dilation")
-        qnn_ops.uint32_param(conv, names.param_output_padding, list(node.args[_OUTPUT_PADDING]))
+        qnn_ops.uint32_param(
+            conv, names.param_output_padding, list(node.args[geo.F_OUTPUT_PADDING])
+        )
     else:
-        qnn_ops.uint32_param(conv, names.param_dilation, list(node.args[_DILATION]))
+        qnn_ops.uint32_param(conv, names.param_dilation, list(node.args[geo.F_DILATION]))
     if not depthwise:
         qnn_ops.uint32_scalar(conv, names.param_group, groups)
     return [*ops, conv]

@@ -31,9 +31,13 @@ import torch
 
 from .. import options
 
-# Argument positions in the schema.
+# Argument positions in convolution_backward's schema.
 GRAD_OUTPUT, INPUT, WEIGHT, BIAS_SIZES, STRIDE, PADDING, DILATION = range(7)
 TRANSPOSED, OUTPUT_PADDING, GROUPS, OUTPUT_MASK = range(7, 11)
+# ... and in the forward convolution's (input, weight, bias, stride, padding,
+# dilation, transposed, output_padding, groups).
+F_INPUT, F_WEIGHT, F_BIAS, F_STRIDE, F_PADDING, F_DILATION = range(6)
+F_TRANSPOSED, F_OUTPUT_PADDING, F_GROUPS = range(6, 9)
 
 
 def oihw_to_hwio(spatial: int) -> tuple[int, ...]:

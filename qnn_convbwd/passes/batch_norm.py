@@ -35,14 +35,11 @@ import operator
 
 import torch
 
-from .. import integration
+from .. import integration, nodes
 from .gated import OptionGatedPass
+from .graph_builder import NodeBuilder
 
 logger = logging.getLogger(__name__)
-
-
-def _edge_op():
-    return integration.get("ops").edge.aten._native_batch_norm_legit_no_training.default
 
 
 def _trained_parameters(edge_program) -> set[str]:
@@ -58,44 +55,6 @@ def _trained_parameters(edge_program) -> set[str]:
         for spec in signature.input_specs
         if spec.kind.name == "PARAMETER" and spec.target in trained
     }
-
-
-class _Builder:
-    """Creates nodes before ``anchor`` (or ``before``) with fake values, in the anchor's
-    metadata."""
-
-    def __init__(
-        self,
-        graph_module: torch.fx.GraphModule,
-        anchor: torch.fx.Node,
-        before: torch.fx.Node | None = None,
-    ) -> None:
-        self.gm = graph_module
-        self.anchor = anchor
-        self.before = anchor if before is None else before
-        self.ops = integration.get("ops").edge.aten
-        self.fake_mode = integration.get("detect_fake_mode")(anchor.args[0].meta["val"])
-
-    def constant(self, name: str, value: torch.Tensor) -> torch.fx.Node:
-        attr = integration.get("get_new_attr_name_with_prefix")(f"{self.anchor.name}_{name}")(
-            self.gm
-        )
-        self.gm.register_buffer(attr, value.contiguous())
-        with self.gm.graph.inserting_before(self.before):
-            node = self.gm.graph.get_attr(attr)
-        node.meta["val"] = self.fake_mode.fake_tensor_converter.from_real_tensor(
-            self.fake_mode, value
-        )
-        return node
-
-    def call(self, target, *args) -> torch.fx.Node:
-        with self.gm.graph.inserting_before(self.before):
-            node = self.gm.graph.create_node("call_function", target, args)
-        node.meta.update({k: v for k, v in self.anchor.meta.items() if k != "val"})
-        fake_args = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-        with self.fake_mode:
-            node.meta["val"] = target(*fake_args)
-        return node
 
 
 def _static(node: torch.fx.Node | None, edge_program) -> torch.Tensor | None:
@@ -124,7 +83,7 @@ def _rewrite(
         logger.info("batch norm %s: kept (running statistics are not constants)", node.name)
         return False
     shape = [1, mean_t.numel(), *([1] * (x.meta["val"].dim() - 2))]
-    b = _Builder(graph_module, node)
+    b = NodeBuilder(graph_module, node)
     rstd = torch.rsqrt(var_t + eps)
 
     def frozen(param: torch.fx.Node) -> torch.Tensor | None:
@@ -193,7 +152,7 @@ def fold_frozen_statistics(graph_module: torch.fx.GraphModule, edge_program) -> 
         args = [values[a] if isinstance(a, torch.fx.Node) else a for a in node.args]
         value = node.target(*args, **node.kwargs)
         values[node] = value
-        constant = _Builder(graph_module, node).constant("folded", value)
+        constant = NodeBuilder(graph_module, node).constant("folded", value)
         node.replace_all_uses_with(constant)
         graph_module.graph.erase_node(node)
         values[constant] = value
@@ -223,7 +182,10 @@ def rewrite_each(graph_module: torch.fx.GraphModule, rewrite_one) -> int:
     code is dropped and the module recompiled. Returns how many were rewritten."""
     changed = 0
     for node in list(graph_module.graph.nodes):
-        if node.op == "call_function" and node.target == _edge_op():
+        if (
+            node.op == "call_function"
+            and node.target == nodes.edge_aten()._native_batch_norm_legit_no_training.default
+        ):
             changed += rewrite_one(node)
     if changed:
         graph_module.graph.eliminate_dead_code()

@@ -40,13 +40,13 @@ import torch
 
 from .. import integration
 from .batch_norm import (
-    _Builder,
     _static,
     _trained_parameters,
     fold_frozen_statistics,
     rewrite_each,
 )
 from .gated import OptionGatedPass
+from .graph_builder import NodeBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ def _fold_one(
     if beta_value is not None:
         folded_bias = folded_bias + beta_value
 
-    build = _Builder(graph_module, conv)
+    build = NodeBuilder(graph_module, conv)
     per_output_channel = scale.reshape([channels] + [1] * (w.dim() - 1))
     folded_weight = w * per_output_channel
     new_weight = build.constant("folded_weight", folded_weight)
@@ -268,7 +268,7 @@ def _fold_one(
     conv.args = (x, new_weight, new_bias, *conv.args[3:])
     out = conv
     if trained_beta:  # added after the convolution as a read of the parameter
-        after = _Builder(graph_module, bn)
+        after = NodeBuilder(graph_module, bn)
         view = after.call(ops.view_copy.default, beta, [1, channels, *([1] * (w.dim() - 2))])
         out = after.call(ops.add.Tensor, conv, view)
     for user in list(bn.users):
@@ -406,7 +406,7 @@ def _fold_trained(
     if len(getitems) != len(backward.users) or 1 not in getitems:
         raise _Kept(f"{backward.name}'s outputs are not read as its grad_weight and others")
 
-    fwd = _Builder(graph_module, conv)
+    fwd = NodeBuilder(graph_module, conv)
     filter_shape = [channels] + [1] * (rank - 1)
     if g_trains:
         s_vec = fwd.call(ops.mul.Tensor, gamma, fwd.constant("rstd", rstd))
@@ -440,7 +440,7 @@ def _fold_trained(
     conv.args = (x, new_weight, bias, *conv.args[3:])
     out = conv
     if beta_trains:
-        after_bn = _Builder(graph_module, bn)
+        after_bn = NodeBuilder(graph_module, bn)
         view = after_bn.call(ops.view_copy.default, beta, [1, channels, *([1] * (rank - 2))])
         out = after_bn.call(ops.add.Tensor, conv, view)
     for user in list(bn.users):
@@ -450,18 +450,18 @@ def _fold_trained(
 
     backward.args = (upstream, x, new_weight, *backward.args[3:])
     folded_grad = getitems[1]  # dW', the folded weight's gradient
-    after = _Builder(graph_module, backward, before=folded_grad.next)
+    after = NodeBuilder(graph_module, backward, before=folded_grad.next)
     grad_weight = after.call(ops.mul.Tensor, folded_grad, s_filter)
     folded_grad.replace_all_uses_with(grad_weight, delete_user_cb=lambda u: u is not grad_weight)
     if 2 in getitems:  # grad of the convolution bias: sum(g) * s
         grad_b = getitems[2]
-        scaled = _Builder(graph_module, backward, before=grad_b.next).call(
+        scaled = NodeBuilder(graph_module, backward, before=grad_b.next).call(
             ops.mul.Tensor, grad_b, s_vec
         )
         grad_b.replace_all_uses_with(scaled, delete_user_cb=lambda u: u is not scaled)
     if gamma_sum is not None:
         # sum(g * (conv_out - mean)) = sum(dW' * W) + (conv_bias - mean) * sum(g)
-        build = _Builder(graph_module, backward, before=grad_weight)
+        build = NodeBuilder(graph_module, backward, before=grad_weight)
         taps = build.call(
             ops.sum.dim_IntList,
             build.call(ops.mul.Tensor, folded_grad, weight),

@@ -27,8 +27,8 @@ import logging
 
 import torch
 
-from .batch_norm import _Builder
 from .gated import OptionGatedPass
+from .graph_builder import NodeBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ def _distribute_once(graph_module: torch.fx.GraphModule, ops) -> int:
             if split is None or not _is_float(a) or a.op == "get_attr" or _is_scalar_input(a):
                 continue
             z, k = split
-            b = _Builder(graph_module, node)
+            b = NodeBuilder(graph_module, node)
             if not isinstance(k, torch.fx.Node):
                 k = b.constant("k", torch.tensor([k], dtype=node.meta["val"].dtype))
             product = b.call(ops.mul.Tensor, a, z)

@@ -37,10 +37,6 @@ EXACT_FP16_COUNT = 2**11
 _COMPARISONS = ("eq", "ne", "lt", "le", "gt", "ge")
 
 
-def _edge():
-    return integration.get("ops").edge
-
-
 def _fake_mode(node: torch.fx.Node):
     return integration.get("detect_fake_mode")([node.meta["val"]])
 
@@ -54,7 +50,7 @@ def _call(graph, op, args, kwargs, like: torch.fx.Node, suffix: str) -> torch.fx
 
 
 def _is_float_cast(node: torch.fx.Node) -> bool:
-    edge = _edge()
+    edge = integration.get("ops").edge
     casts = (edge.dim_order_ops._to_dim_order_copy.default, edge.aten._to_copy.default)
     return (
         node.op == "call_function"
@@ -65,7 +61,7 @@ def _is_float_cast(node: torch.fx.Node) -> bool:
 
 def explicit_full_reductions(graph_module: torch.fx.GraphModule) -> int:
     """``sum.dim_IntList(x, [])`` -> ``view_copy(sum.dim_IntList(x, all dims, True), [])``."""
-    edge, graph = _edge(), graph_module.graph
+    edge, graph = integration.get("ops").edge, graph_module.graph
     changed = 0
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target != edge.aten.sum.dim_IntList:

@@ -36,8 +36,8 @@ import logging
 import torch
 
 from .. import integration
-from .batch_norm import _Builder
 from .gated import OptionGatedPass
+from .graph_builder import NodeBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ def match(node: torch.fx.Node, ops, edge_program) -> tuple[str, torch.fx.Node, l
     return None
 
 
-def _centred(b: _Builder, x: torch.fx.Node, kind: str) -> torch.fx.Node:
+def _centred(b: NodeBuilder, x: torch.fx.Node, kind: str) -> torch.fx.Node:
     dtype = x.meta["val"].dtype
     half = b.constant("half", torch.tensor([0.5], dtype=dtype))
     sixth = b.constant("sixth", torch.tensor([1 / 6], dtype=dtype))
@@ -209,7 +209,7 @@ def centre_hard_activations(graph_module: torch.fx.GraphModule, edge_program=Non
         if found is None:
             continue
         kind, x, matched = found
-        out = _centred(_Builder(graph_module, node), x, kind)
+        out = _centred(NodeBuilder(graph_module, node), x, kind)
         node.replace_all_uses_with(out)
         graph_module.graph.erase_node(node)
         for dead in matched:  # consumers first

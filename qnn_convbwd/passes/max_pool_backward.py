@@ -56,10 +56,6 @@ from ..partition.verdict import Decision
 logger = logging.getLogger(__name__)
 
 
-def _edge():
-    return integration.get("ops").edge.aten
-
-
 def _int32_copy():
     """The dtype cast executorch's dim-order mode (the default of ``to_edge``) accepts."""
     return integration.get("ops").edge.dim_order_ops._to_dim_order_copy.default
@@ -121,7 +117,9 @@ def _call(graph, op, args, kwargs, name, fake_mode, on_cpu: str | None):
 def needs_cpu_rewrite(node: torch.fx.Node) -> bool:
     """Whether executorch's CPU kernel would compute ``node`` wrong."""
     pool = pg.parse(node)
-    return not pg.index_plane(node, pool, _edge()).is_input or not kernel_zeroes_grad_input()
+    return (
+        not pg.index_plane(node, pool, nodes.edge_aten()).is_input or not kernel_zeroes_grad_input()
+    )
 
 
 def rewrite_for_cpu(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None:
@@ -133,7 +131,7 @@ def rewrite_for_cpu(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
     (n, c) plane become positions in all planes by adding ``(n * C + c) * P``
     (an int32 ``arange``; int32 so that executorch's I64toI32 leaves it alone).
     """
-    ops, graph = _edge(), graph_module.graph
+    ops, graph = nodes.edge_aten(), graph_module.graph
     pool = pg.parse(node)
     plane = pg.index_plane(node, pool, ops)
     batch, channels = (int(v) for v in pool.input_shape[:2])
@@ -190,7 +188,7 @@ def rewrite_for_cpu(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> 
 
 def prepare_for_qnn(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     """int32 indices on CPU, a shape-only input, the index plane in the node's meta."""
-    ops, graph = _edge(), graph_module.graph
+    ops, graph = nodes.edge_aten(), graph_module.graph
     pool = pg.parse(node)
     # Once: after this, the indices come from the cast, and the plane from the forward.
     node.meta.setdefault(INDEX_PLANE, pg.index_plane(node, pool, ops))

@@ -31,8 +31,8 @@ import logging
 import torch
 
 from .. import integration
-from .batch_norm import _Builder
 from .gated import OptionGatedPass
+from .graph_builder import NodeBuilder
 from .hardswish import _scalar
 
 logger = logging.getLogger(__name__)
@@ -148,7 +148,7 @@ def pair_scalar_constants(graph_module: torch.fx.GraphModule, edge_program=None)
         pair = fp16_pair(c)
         if pair is None:
             continue
-        b = _Builder(graph_module, node)
+        b = NodeBuilder(graph_module, node)
         dtype = node.meta["val"].dtype
         first = b.call(ops.mul.Tensor, x, b.constant("a", torch.tensor([pair[0]], dtype=dtype)))
         out = b.call(ops.mul.Tensor, first, b.constant("b", torch.tensor([pair[1]], dtype=dtype)))

@@ -30,15 +30,11 @@ from collections.abc import Callable
 
 import torch
 
-from .. import integration, nodes
+from .. import nodes
 from ..geometry import conv as geo
 from ..meta import SHAPE_OF
 
 logger = logging.getLogger(__name__)
-
-
-def _edge_ops():
-    return integration.get("ops").edge.aten
 
 
 def _insert_full(
@@ -47,7 +43,7 @@ def _insert_full(
     with graph.inserting_before(before):
         full = graph.create_node(
             "call_function",
-            _edge_ops().full.default,
+            nodes.edge_aten().full.default,
             (list(like.shape), value),
             {"dtype": like.dtype},
             name=name,
@@ -64,7 +60,7 @@ def replace_shape_only_operands(
     graph_module: torch.fx.GraphModule, delegated: Callable[[torch.fx.Node], bool]
 ) -> int:
     """Rewrite in place; return how many operands were replaced."""
-    ops = _edge_ops()
+    ops = nodes.edge_aten()
     graph = graph_module.graph
     replaced = 0
     for node in list(graph.nodes):

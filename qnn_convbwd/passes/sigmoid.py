@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import torch
 
-from .. import integration
-from .batch_norm import _Builder
+from .. import nodes
 from .gated import OptionGatedPass
-
-
-def _edge_sigmoid():
-    return integration.get("ops").edge.aten.sigmoid.default
+from .graph_builder import NodeBuilder
 
 
 def _rewrite(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None:
     (x,) = node.args
-    b = _Builder(graph_module, node)
+    b = NodeBuilder(graph_module, node)
     dtype = x.meta["val"].dtype
     half = b.constant("half", torch.tensor([0.5], dtype=dtype))
     tanh = b.call(b.ops.tanh.default, b.call(b.ops.mul.Tensor, x, half))
@@ -42,7 +38,7 @@ def _rewrite(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None:
 
 def rewrite_sigmoids(graph_module: torch.fx.GraphModule) -> int:
     """Rewrite every floating-point ``aten.sigmoid`` of ``graph_module``; returns how many."""
-    target = _edge_sigmoid()
+    target = nodes.edge_aten().sigmoid.default
     changed = 0
     for node in list(graph_module.graph.nodes):
         if node.op != "call_function" or node.target != target:

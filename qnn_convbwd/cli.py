@@ -15,31 +15,35 @@ from typing import IO, Any
 
 from . import logs
 
+# The developer subcommands (bench, fidelity, cost) live in this package, shipped beside
+# qnn_convbwd in the repository but never imported by it.
+DEV_PACKAGE = "qnn_convbwd_dev"
+
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
     "doctor": (
         "qnn_convbwd.toolchain.doctor",
         "report the QNN SDK, the shim and which backends work",
     ),
-    "demo": ("qnn_convbwd.tools.demo", "train a small CNN on the HTP simulator next to torch"),
+    "demo": ("qnn_convbwd.commands.demo", "train a small CNN on the HTP simulator next to torch"),
     "train": (
-        "qnn_convbwd.tools.train_cli",
+        "qnn_convbwd.commands.train_cli",
         "train a model with TrainingModule + SGD next to torch",
     ),
     "finetune": (
-        "qnn_convbwd.tools.finetune_cli",
+        "qnn_convbwd.commands.finetune_cli",
         "fine-tune a classifier on scikit-learn's digits in train mode, next to torch",
     ),
-    "bench": ("qnn_convbwd.tools.bench", "benchmark training graphs with and without the plugin"),
+    "bench": ("qnn_convbwd_dev.bench", "benchmark training graphs with and without the plugin"),
     "fidelity": (
-        "qnn_convbwd.tools.fidelity_cli",
+        "qnn_convbwd_dev.fidelity_cli",
         "run a training graph on the simulator and judge it against torch's fp16 step",
     ),
     "cost": (
-        "qnn_convbwd.tools.cost",
+        "qnn_convbwd_dev.cost",
         "multiply-adds, bytes and planned memory of a lowered training program",
     ),
-    "cache": ("qnn_convbwd.tools.cache_cli", "list or clear the compiled-context cache"),
+    "cache": ("qnn_convbwd.commands.cache_cli", "list or clear the compiled-context cache"),
 }
 
 # Long calls the CLI shows progress for: (module, function, what it is doing).
@@ -97,23 +101,46 @@ def _main(argv: list[str], terminal: IO[str] | None) -> int:
         "--no-progress", action="store_true", help="no progress bars (off unless on a terminal)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
-    broken: dict[str, str] = {}
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    module = None
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
+        if name != chosen:
+            continue
+        # Only the subcommand that runs is imported: a broken or missing one (the
+        # developer tools are a separate package) does not take the others down.
         try:
             module = importlib.import_module(module_name)
-        except ImportError as err:  # one broken subcommand must not take the others down
-            broken[name] = f"{module_name}: {err}"
-            continue
-        modules[name] = module
+        except ImportError as err:
+            parser.parse_known_args(argv)  # --help as usual
+            print(f"qnn-convbwd {name}: {_cannot_load(module_name, err)}", file=sys.stderr)
+            return 2
         module.add_arguments(command)
     args = parser.parse_args(argv)
-    if args.command in broken:
-        print(f"qnn-convbwd {args.command}: cannot load {broken[args.command]}", file=sys.stderr)
-        return 2
+    assert module is not None, args.command
     with _progress(terminal):
-        return int(modules[args.command].run(args) or 0)
+        return int(module.run(args) or 0)
+
+
+def _cannot_load(module_name: str, err: ImportError) -> str:
+    if module_name.startswith(f"{DEV_PACKAGE}.") and _missing(err, DEV_PACKAGE):
+        return (
+            f"needs the developer tools ({DEV_PACKAGE}), which are not installed: "
+            "from a checkout of the repository, pip install -e '.[dev]'"
+        )
+    if module_name.startswith(f"{DEV_PACKAGE}."):
+        return (
+            f"cannot load {module_name}: {err} (pip install -e '.[dev]' installs its dependencies)"
+        )
+    return f"cannot load {module_name}: {err}"
+
+
+def _missing(err: ImportError, package: str) -> bool:
+    """The import failed because ``package`` itself is absent (not one of its imports)."""
+    name = getattr(err, "name", None) or ""
+    return isinstance(err, ModuleNotFoundError) and (
+        name == package or name.startswith(f"{package}.")
+    )
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from qnn_convbwd.tools import bench
+from qnn_convbwd_dev import bench
 
 
 def main(argv: list[str] | None = None) -> int:

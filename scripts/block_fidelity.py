@@ -29,8 +29,8 @@ import zoo  # noqa: E402
 from torch.export.experimental import _export_forward_backward  # noqa: E402
 
 from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import models  # noqa: E402
-from qnn_convbwd.tools.reference_kernels import pinned  # noqa: E402
+from qnn_convbwd_dev import models  # noqa: E402
+from qnn_convbwd_dev.reference_kernels import pinned  # noqa: E402
 
 
 class Probe(torch.nn.Module):

@@ -34,7 +34,7 @@ from zoo_fidelity import parse_options  # noqa: E402
 
 import qnn_convbwd  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import fidelity, reference_kernels  # noqa: E402
+from qnn_convbwd_dev import fidelity, reference_kernels  # noqa: E402
 
 
 class Head(torch.nn.Module):

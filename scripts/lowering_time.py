@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where ``qnn_convbwd.lower()`` spends its time, per phase (``tools.lowering_time``).
+"""Where ``qnn_convbwd.lower()`` spends its time, per phase (``qnn_convbwd_dev.lowering_time``).
 
 ``model`` mode: for a torchvision model, a training scheme and a SoC
 (``tests/zoo.graph``), lowers in one process the inference graph (the
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from qnn_convbwd.geometry import conv as geo  # noqa: E402
 from qnn_convbwd.geometry import permutation  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import lowering_time  # noqa: E402
+from qnn_convbwd_dev import lowering_time  # noqa: E402
 
 
 def _counts(counter: Counter, top: int = 12) -> str:

@@ -12,7 +12,7 @@ docs/cost.md for what these numbers are worth on the simulator.
     python scripts/op_cycles.py --conv 256x256x3 --input-gradient transpose_conv --runs 5
 
 ``--zoo ARCH SCHEME`` profiles ``tests/zoo.graph(ARCH, SCHEME, --size)`` instead;
-``--conv CONFIG`` one frozen convolution and its grad_input (``tools.weight_bytes``'
+``--conv CONFIG`` one frozen convolution and its grad_input (``qnn_convbwd_dev.weight_bytes``'
 ``fwd+bwd`` program; CONFIG as in scripts/weight_bytes.py). ``--summary`` adds the
 cycles per kind of op (``op_kind``) and run.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 
 from qnn_convbwd import api, options
 from qnn_convbwd.toolchain import ensure_sdk
-from qnn_convbwd.tools import models, weight_bytes
+from qnn_convbwd_dev import models, weight_bytes
 
 _ATEN = re.compile(r"aten_(.+?)_(?:default|tensor|scalar|int|dim|self|intlist)(?:_|$|:)", re.I)
 

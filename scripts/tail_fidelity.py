@@ -4,7 +4,7 @@ The blocks ``forward_bisect.blocks`` lists from index START on (to the head),
 trained by SCHEME (``zoo.trainable`` names, e.g. every bias), MSE against the
 zoo graph's target, fed the fp32 activation the whole net computes at START for
 the zoo graph's input. Lowered with ``qnn_convbwd.lower``, run on the simulator,
-judged per tensor with ``qnn_convbwd.tools.fidelity``: whether a gradient's error
+judged per tensor with ``qnn_convbwd_dev.fidelity``: whether a gradient's error
 is made in the tail or comes with the forward error of the blocks before it.
 
     PYTHONPATH=. python scripts/tail_fidelity.py shufflenet_v2_x0_5 14 [--scheme bias_only]
@@ -31,7 +31,7 @@ from zoo_fidelity import parse_options  # noqa: E402
 
 import qnn_convbwd  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import fidelity, models  # noqa: E402
+from qnn_convbwd_dev import fidelity, models  # noqa: E402
 
 
 def tail_graph(arch: str, start: int, scheme: str, size: int = 32) -> models.TrainingGraph:

@@ -155,7 +155,7 @@ def cifar_on_sm8650(qnn_sdk):
     import copy
 
     from qnn_convbwd.toolchain import harness
-    from qnn_convbwd.tools import models
+    from qnn_convbwd_dev import models
 
     @functools.cache
     def lowered(trainable: bool):

@@ -23,7 +23,7 @@ import torch
 import qnn_convbwd
 from qnn_convbwd import context_cache, progress
 from qnn_convbwd.toolchain import harness
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 ROOT = Path(__file__).resolve().parent.parent
 SOC = "SM8650"

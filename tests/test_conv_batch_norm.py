@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd.tools import fidelity
-from qnn_convbwd.tools import numerics_models as nm
+from qnn_convbwd_dev import fidelity
+from qnn_convbwd_dev import numerics_models as nm
 
 BN = "aten._native_batch_norm_legit_no_training.default"
 

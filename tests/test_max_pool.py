@@ -24,7 +24,7 @@ from qnn_convbwd.builders import op_max_pool_backward as mpb
 from qnn_convbwd.geometry import pool as pg
 from qnn_convbwd.partition import max_pool
 from qnn_convbwd.passes import max_pool_backward
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 U = 2.0**-11
 BACKWARD = "max_pool2d_with_indices_backward"

@@ -212,7 +212,7 @@ def test_phase_filters_are_slices_of_the_forward_filter(qnn_sdk):
     Transpose of the forward Conv2d's filter; the weight is stored once."""
     from qnn_convbwd import integration
     from qnn_convbwd.builders import input_gradient_runtime_weight as rw
-    from qnn_convbwd.tools import weight_bytes as wb
+    from qnn_convbwd_dev import weight_bytes as wb
 
     config = wb.ConvConfig(32, 48, 3, stride=2, size=16)
     with integration.capture_qnn_graphs() as graphs:

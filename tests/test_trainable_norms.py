@@ -19,7 +19,7 @@ from torch.export.experimental import _export_forward_backward
 
 from qnn_convbwd import api
 from qnn_convbwd.partition import trainable
-from qnn_convbwd.tools import fidelity, models
+from qnn_convbwd_dev import fidelity, models
 
 
 def _bias_only(norm: nn.Module, size: int = 8) -> models.TrainingGraph:

@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 
 # Parameter name -> the folded weight stored in its place, for every weight the pass
 # folded in this process (a later fold of the same name replaces it). Tools that
-# find a frozen weight's stored copies by value (``tools.cost.weight_copies``) read it.
+# find a frozen weight's stored copies by value (``qnn_convbwd_dev.cost.weight_copies``) read it.
 FOLDED_WEIGHTS: dict[str, torch.Tensor] = {}
 
 # Ops the backward's scale of ``g`` is computed with (autograd's batch-norm backward:

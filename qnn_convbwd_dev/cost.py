@@ -46,9 +46,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .. import integration, options
-from ..integration import QnnOpInfo, QnnTensorInfo
-from . import models, train_cli
+from qnn_convbwd import integration, options
+from qnn_convbwd.commands import train_cli
+from qnn_convbwd.integration import QnnOpInfo, QnnTensorInfo
+
+from . import models
 
 MAC_OPS = (
     "Conv2d",
@@ -392,7 +394,7 @@ def weight_copies(
     import numpy as np
 
     if stored is None:
-        from ..passes.conv_batch_norm import FOLDED_WEIGHTS
+        from qnn_convbwd.passes.conv_batch_norm import FOLDED_WEIGHTS
 
         stored = getattr(graph, "folded_weights", None) or FOLDED_WEIGHTS
     frozen = [
@@ -519,8 +521,8 @@ def measure_program(
     """Lower the joint graph ``joint`` of ``model`` with ``qnn_convbwd.lower`` and measure it."""
     import time
 
-    from .. import api
-    from ..toolchain import harness
+    from qnn_convbwd import api
+    from qnn_convbwd.toolchain import harness
 
     specs = harness.compile_specs(soc)
     start = time.perf_counter()
@@ -648,7 +650,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .. import api
+    from qnn_convbwd import api
 
     case = models.TRAINING_MODELS[args.model](args.trainable)
     with api.enabled(**({"stride": args.stride} if args.stride else {})):

@@ -388,15 +388,13 @@ def weight_copies(
     (resnet18's 11 M frozen values do), so a value alone does not name its
     weight, but a copy's values all lie in one weight. ``stored`` gives, by
     parameter name, the values the lowering stores in place of a weight (a weight
-    with its batch norm folded in; default: the recording's ``folded_weights``, else
-    ``passes.conv_batch_norm.FOLDED_WEIGHTS`` of this process's lowerings).
+    with its batch norm folded in; default: the recording's ``folded_weights``, what
+    ``passes.conv_batch_norm.observe_folds`` saw while it was recorded).
     """
     import numpy as np
 
     if stored is None:
-        from qnn_convbwd.passes.conv_batch_norm import FOLDED_WEIGHTS
-
-        stored = getattr(graph, "folded_weights", None) or FOLDED_WEIGHTS
+        stored = getattr(graph, "folded_weights", None) or {}
     frozen = [
         (name, stored.get(name, p).detach().to(torch.float32).numpy().ravel())
         for name, p in model.named_parameters()

@@ -21,13 +21,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import zoo  # noqa: E402
-
-from qnn_convbwd_dev import kinks  # noqa: E402
+from qnn_convbwd_dev import kinks, zoo
 
 
 def main() -> int:

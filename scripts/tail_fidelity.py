@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
+from forward_bisect import blocks
+from torch.export.experimental import _export_forward_backward
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import zoo  # noqa: E402
-from forward_bisect import blocks  # noqa: E402
-from torch.export.experimental import _export_forward_backward  # noqa: E402
-from zoo_fidelity import parse_options  # noqa: E402
-
-import qnn_convbwd  # noqa: E402
-from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd_dev import fidelity, models  # noqa: E402
+import qnn_convbwd
+from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev import fidelity, models, zoo
+from qnn_convbwd_dev.zoo import parse_options
 
 
 def tail_graph(arch: str, start: int, scheme: str, size: int = 32) -> models.TrainingGraph:

@@ -35,12 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import zoo  # noqa: E402
-
-from qnn_convbwd.toolchain import saver  # noqa: E402
-from qnn_convbwd_dev import cost  # noqa: E402
+from qnn_convbwd.toolchain import saver
+from qnn_convbwd_dev import cost, zoo
 
 KEY = ("model", "scheme", "px", "SoC")
 # the columns of the Saver recording (or, where there is one, the HTP lowering's MACs) ...

@@ -54,14 +54,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import zoo  # noqa: E402
-
-import qnn_convbwd  # noqa: E402
-from qnn_convbwd.commands.train_cli import cpu_ops  # noqa: E402
-from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd_dev import fidelity  # noqa: E402
+import qnn_convbwd
+from qnn_convbwd.commands.train_cli import cpu_ops
+from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev import fidelity, zoo
 
 
 def measure(
@@ -251,23 +247,8 @@ def main() -> int:
         "--set", nargs="*", default=[], metavar="OPTION=VALUE", help="qnn_convbwd options"
     )
     args = parser.parse_args()
-    with qnn_convbwd.enabled(**parse_options(args.set)):
+    with qnn_convbwd.enabled(**zoo.parse_options(args.set)):
         return sweep(args)
-
-
-def parse_options(pairs: list[str]) -> dict[str, object]:
-    """``["a=b", "loss_scale=256.0", "htp_optimization=2"]`` as
-    ``{"a": "b", "loss_scale": 256.0, "htp_optimization": 2}``."""
-    out: dict[str, object] = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        for parse in (int, float, str):
-            try:
-                out[name] = parse(value)
-                break
-            except ValueError:
-                continue
-    return out
 
 
 def sweep(args: argparse.Namespace) -> int:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zoo
 from torch import nn
 
-from qnn_convbwd_dev import kinks
+from qnn_convbwd_dev import kinks, zoo
 
 
 @pytest.mark.parametrize(

@@ -18,12 +18,12 @@ import logging
 
 import pytest
 import torch
-from test_max_pool import pool_args
 from tiers import sweep
 from torch import nn
 
 from qnn_convbwd import integration
 from qnn_convbwd.partition import max_pool
+from qnn_convbwd_dev.pool_bank import pool_args
 
 BACKWARD = "max_pool2d_with_indices_backward"
 FORWARD = "max_pool2d_with_indices"

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import zoo
 
-from qnn_convbwd_dev import fidelity, models, reference_kernels
+from qnn_convbwd_dev import fidelity, models, reference_kernels, zoo
 from qnn_convbwd_dev import numerics_models as nm
 
 

@@ -275,3 +275,23 @@ def test_a_developer_subcommand_without_the_developer_tools_says_how_to_install(
 def test_a_user_subcommand_runs_without_the_developer_tools(tmp_path):
     proc = _cli_without_dev(tmp_path, "cache", "list", "--dir", str(tmp_path / "cache"))
     assert proc.stdout.strip().splitlines()[-1] == "exit 0", proc.stderr[-3000:]
+
+
+def test_scripts_import_no_test_module():
+    """The scripts take what they share from ``qnn_convbwd`` and ``qnn_convbwd_dev``:
+    none puts ``tests/`` on ``sys.path`` or imports a module that lives there."""
+    root = PACKAGE.parent
+    in_tests = {p.stem for p in (root / "tests").glob("*.py")}
+    scripts = sorted((root / "scripts").glob("*.py"))
+    assert len(scripts) > 10
+    found = {}
+    for path in scripts:
+        bad = _absolute_imports(path) & in_tests
+        if "sys.path" in path.read_text():
+            bad.add("sys.path")
+        if bad:
+            found[path.name] = bad
+    assert found == {}
+    # Not vacuous: the check sees the scripts' imports and the modules the tests share
+    assert sum("qnn_convbwd_dev" in _absolute_imports(p) for p in scripts) > 5
+    assert {"tiers", "cases", "test_max_pool"} <= in_tests

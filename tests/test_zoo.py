@@ -12,10 +12,9 @@ batches, the scheme's parameters trained, MSE); docs/zoo.md has the measured tab
 from __future__ import annotations
 
 import pytest
-import zoo
 
 from qnn_convbwd.toolchain import harness
-from qnn_convbwd_dev import fidelity
+from qnn_convbwd_dev import fidelity, zoo
 
 # Inputs the verdict is pooled over (``fidelity.pooled``): on one input, a scalar like
 # the loss is one draw of the HTP's and of torch fp16's rounding. resnet18 bias-only,

@@ -32,11 +32,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import zoo
 
 import qnn_convbwd
 from qnn_convbwd.commands.train_cli import cpu_ops
 from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev import zoo
 
 pytestmark = pytest.mark.sweep
 

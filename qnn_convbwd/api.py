@@ -564,6 +564,7 @@ def decide(
         return Report(rows, on_cpu)
 
 
+@progress.long_call("lowering")
 def lower(
     program: torch.export.ExportedProgram,
     compiler_specs: list,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib
 import logging
 import os
@@ -45,18 +44,6 @@ COMMANDS = {
     ),
     "cache": ("qnn_convbwd.commands.cache_cli", "list or clear the compiled-context cache"),
 }
-
-# Long calls the CLI shows progress for: (module, function, what it is doing).
-LONG_CALLS = (
-    ("qnn_convbwd.toolchain.harness", "lower_program", "lowering"),
-    ("qnn_convbwd.toolchain.harness", "lower_module", "lowering"),
-    ("qnn_convbwd.toolchain.harness", "run_pte", "running on the HTP simulator"),
-    ("qnn_convbwd.api", "lower", "lowering"),
-    ("qnn_convbwd.training", "train_side_by_side", "training on the HTP simulator"),
-    ("qnn_convbwd.training", "lower_for_training", "lowering"),
-    ("qnn_convbwd.toolchain.saver", "record", "recording with the Saver backend"),
-    ("qnn_convbwd.toolchain.sdk", "probe_in_subprocess", "checking in a child process"),
-)
 
 
 def _pre_parse(argv: list[str]) -> argparse.Namespace:
@@ -145,7 +132,8 @@ def _missing(err: ImportError, package: str) -> bool:
 
 @contextlib.contextmanager
 def _progress(terminal: IO[str] | None) -> Iterator[None]:
-    """Show a progress line with the elapsed time while one of ``LONG_CALLS`` runs."""
+    """Show a progress line with the elapsed time while one of the package's long calls
+    runs (``progress.long_call``), with the lowering's phase (``progress.observe``)."""
     if terminal is None:
         yield
         return
@@ -153,15 +141,13 @@ def _progress(terminal: IO[str] | None) -> Iterator[None]:
 
     from . import progress
 
-    patched: list[tuple[Any, str, Any]] = []
-    depth = threading.local()
+    depth = threading.local()  # nested long calls: the outermost line is showing
+    shown: dict[str, Any] = {}
 
-    def wrap(function: Any, what: str) -> Any:
-        @functools.wraps(function)
-        def with_progress(*args: Any, **kwargs: Any) -> Any:
-            if getattr(depth, "value", 0):  # nested long call: the outer line is showing
-                return function(*args, **kwargs)
-            depth.value = 1
+    def call(what: str, started: bool) -> None:
+        level = getattr(depth, "value", 0)
+        depth.value = level + 1 if started else level - 1
+        if started and level == 0 and not shown:  # one line, for the first thread
             bar = tqdm(desc=what, file=terminal, leave=False, bar_format="{desc} ... {elapsed}")
             stop = threading.Event()
 
@@ -171,31 +157,19 @@ def _progress(terminal: IO[str] | None) -> Iterator[None]:
 
             ticker = threading.Thread(target=tick, daemon=True)
             ticker.start()
+            shown.update(bar=bar, stop=stop, ticker=ticker, what=what, thread=threading.get_ident())
+        elif not started and level == 1 and shown.get("thread") == threading.get_ident():
+            shown["stop"].set()
+            shown["ticker"].join()
+            shown["bar"].close()
+            shown.clear()
 
-            def show(event: Any) -> None:  # a lowering's phase (qnn_convbwd.progress)
-                bar.set_description_str(f"{what}: {event.describe().split(' (')[0]}")
+    def phase(event: Any) -> None:  # a lowering's phase
+        if shown:
+            shown["bar"].set_description_str(f"{shown['what']}: {event.describe().split(' (')[0]}")
 
-            try:
-                with progress.observe(show):
-                    return function(*args, **kwargs)
-            finally:
-                stop.set()
-                ticker.join()
-                bar.close()
-                depth.value = 0
-
-        return with_progress
-
-    for module_name, name, what in LONG_CALLS:
-        module = importlib.import_module(module_name)
-        original = getattr(module, name)
-        patched.append((module, name, original))
-        setattr(module, name, wrap(original, what))
-    try:
+    with progress.observe_calls(call), progress.observe(phase):
         yield
-    finally:
-        for module, name, original in patched:
-            setattr(module, name, original)
 
 
 if __name__ == "__main__":

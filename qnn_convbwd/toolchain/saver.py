@@ -58,6 +58,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import progress
+
 logger = logging.getLogger(__name__)
 
 # What executorch 1.5.1 passes to exit() after the Saver recorded the first partition.
@@ -463,6 +465,7 @@ def _node_list(graph: torch.fx.Graph) -> list[list[str]]:
     return [[n.name, n.op, str(n.target)] for n in graph.nodes]
 
 
+@progress.long_call("recording with the Saver backend")
 def record(
     program: torch.export.ExportedProgram,
     soc: str = "SM8650",

@@ -19,6 +19,7 @@ from .geometry import conv as geo
 from .nodes import origins
 from .partition import cpu_kernel, judge
 from .partition.target import Target
+from .partition.verdict import Fallback
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,9 @@ class Report:
     rows: list[ReportRow]  # one per convolution_backward
     # Every op of the program kept on CPU (getitems aside), with its reason.
     on_cpu: list[CpuOp] = dataclasses.field(default_factory=list)
+    # Delegated nodes a builder built another way than the options asked (``lower``
+    # only: ``decide`` builds nothing).
+    fallbacks: list[Fallback] = dataclasses.field(default_factory=list)
 
     @property
     def delegated(self) -> int:
@@ -200,6 +204,13 @@ class Report:
     def on_cpu_markdown(self) -> str:
         head = "| node | op | rule | reason |\n|---|---|---|---|"
         lines = [f"| {c.node} | {c.op} | {c.rule} | {c.reason} |" for c in self.on_cpu]
+        return "\n".join([head, *lines])
+
+    def fallbacks_markdown(self) -> str:
+        head = "| node | op | asked | built | reason |\n|---|---|---|---|---|"
+        lines = [
+            f"| {f.node} | {f.op} | {f.asked} | {f.built} | {f.reason} |" for f in self.fallbacks
+        ]
         return "\n".join([head, *lines])
 
     def to_markdown(self) -> str:
@@ -355,6 +366,7 @@ def decide(
         return Report(rows, on_cpu)
 
 
+@progress.long_call("lowering")
 def lower(
     program: torch.export.ExportedProgram,
     compiler_specs: list,
@@ -365,7 +377,8 @@ def lower(
 
     Runs the Qualcomm flow (export passes, to_edge transform passes,
     ``to_edge_transform_and_lower`` with ``QnnPartitioner``) with the plugin
-    enabled, and reports one row per convolution_backward node.
+    enabled, and reports one row per convolution_backward node, every op kept on CPU
+    and every delegated node built another way than the options asked (``fallbacks``).
     """
     with enabled(), judge.recording(), progress.run():
         progress.phase(progress.EXPORT)
@@ -397,13 +410,14 @@ def lower(
         ]
         on_cpu = [_cpu_op(node) for node in graph.nodes if _reported(node)]
         on_cpu = [op for op in on_cpu if op is not None]
+        fallbacks = judge.recorded_fallbacks(before)
         logger.info(
             "convolution_backward on %s: %d of %d delegated",
             target.soc,
             sum(r.delegated for r in rows),
             len(rows),
         )
-        return LoweringResult(edge, Report(rows, on_cpu))
+        return LoweringResult(edge, Report(rows, on_cpu, fallbacks))
 
 
 def _cpu_op(node: torch.fx.Node) -> CpuOp | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import importlib
 import logging
 import os
@@ -15,44 +14,36 @@ from typing import IO, Any
 
 from . import logs
 
+# The developer subcommands (bench, fidelity, cost) live in this package, shipped beside
+# qnn_convbwd in the repository but never imported by it.
+DEV_PACKAGE = "qnn_convbwd_dev"
+
 # subcommand -> (module with add_arguments(parser) and run(args) -> int, help)
 COMMANDS = {
     "doctor": (
         "qnn_convbwd.toolchain.doctor",
         "report the QNN SDK, the shim and which backends work",
     ),
-    "demo": ("qnn_convbwd.tools.demo", "train a small CNN on the HTP simulator next to torch"),
+    "demo": ("qnn_convbwd.commands.demo", "train a small CNN on the HTP simulator next to torch"),
     "train": (
-        "qnn_convbwd.tools.train_cli",
+        "qnn_convbwd.commands.train_cli",
         "train a model with TrainingModule + SGD next to torch",
     ),
     "finetune": (
-        "qnn_convbwd.tools.finetune_cli",
+        "qnn_convbwd.commands.finetune_cli",
         "fine-tune a classifier on scikit-learn's digits in train mode, next to torch",
     ),
-    "bench": ("qnn_convbwd.tools.bench", "benchmark training graphs with and without the plugin"),
+    "bench": ("qnn_convbwd_dev.bench", "benchmark training graphs with and without the plugin"),
     "fidelity": (
-        "qnn_convbwd.tools.fidelity_cli",
+        "qnn_convbwd_dev.fidelity_cli",
         "run a training graph on the simulator and judge it against torch's fp16 step",
     ),
     "cost": (
-        "qnn_convbwd.tools.cost",
+        "qnn_convbwd_dev.cost",
         "multiply-adds, bytes and planned memory of a lowered training program",
     ),
-    "cache": ("qnn_convbwd.tools.cache_cli", "list or clear the compiled-context cache"),
+    "cache": ("qnn_convbwd.commands.cache_cli", "list or clear the compiled-context cache"),
 }
-
-# Long calls the CLI shows progress for: (module, function, what it is doing).
-LONG_CALLS = (
-    ("qnn_convbwd.toolchain.harness", "lower_program", "lowering"),
-    ("qnn_convbwd.toolchain.harness", "lower_module", "lowering"),
-    ("qnn_convbwd.toolchain.harness", "run_pte", "running on the HTP simulator"),
-    ("qnn_convbwd.api", "lower", "lowering"),
-    ("qnn_convbwd.training", "train_side_by_side", "training on the HTP simulator"),
-    ("qnn_convbwd.training", "lower_for_training", "lowering"),
-    ("qnn_convbwd.toolchain.saver", "record", "recording with the Saver backend"),
-    ("qnn_convbwd.toolchain.sdk", "probe_in_subprocess", "checking in a child process"),
-)
 
 
 def _pre_parse(argv: list[str]) -> argparse.Namespace:
@@ -97,28 +88,52 @@ def _main(argv: list[str], terminal: IO[str] | None) -> int:
         "--no-progress", action="store_true", help="no progress bars (off unless on a terminal)"
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    modules = {}
-    broken: dict[str, str] = {}
+    chosen = next((a for a in argv if a in COMMANDS), None)
+    module = None
     for name, (module_name, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
+        if name != chosen:
+            continue
+        # Only the subcommand that runs is imported: a broken or missing one (the
+        # developer tools are a separate package) does not take the others down.
         try:
             module = importlib.import_module(module_name)
-        except ImportError as err:  # one broken subcommand must not take the others down
-            broken[name] = f"{module_name}: {err}"
-            continue
-        modules[name] = module
+        except ImportError as err:
+            parser.parse_known_args(argv)  # --help as usual
+            print(f"qnn-convbwd {name}: {_cannot_load(module_name, err)}", file=sys.stderr)
+            return 2
         module.add_arguments(command)
     args = parser.parse_args(argv)
-    if args.command in broken:
-        print(f"qnn-convbwd {args.command}: cannot load {broken[args.command]}", file=sys.stderr)
-        return 2
+    assert module is not None, args.command
     with _progress(terminal):
-        return int(modules[args.command].run(args) or 0)
+        return int(module.run(args) or 0)
+
+
+def _cannot_load(module_name: str, err: ImportError) -> str:
+    if module_name.startswith(f"{DEV_PACKAGE}.") and _missing(err, DEV_PACKAGE):
+        return (
+            f"needs the developer tools ({DEV_PACKAGE}), which are not installed: "
+            "from a checkout of the repository, pip install -e '.[dev]'"
+        )
+    if module_name.startswith(f"{DEV_PACKAGE}."):
+        return (
+            f"cannot load {module_name}: {err} (pip install -e '.[dev]' installs its dependencies)"
+        )
+    return f"cannot load {module_name}: {err}"
+
+
+def _missing(err: ImportError, package: str) -> bool:
+    """The import failed because ``package`` itself is absent (not one of its imports)."""
+    name = getattr(err, "name", None) or ""
+    return isinstance(err, ModuleNotFoundError) and (
+        name == package or name.startswith(f"{package}.")
+    )
 
 
 @contextlib.contextmanager
 def _progress(terminal: IO[str] | None) -> Iterator[None]:
-    """Show a progress line with the elapsed time while one of ``LONG_CALLS`` runs."""
+    """Show a progress line with the elapsed time while one of the package's long calls
+    runs (``progress.long_call``), with the lowering's phase (``progress.observe``)."""
     if terminal is None:
         yield
         return
@@ -126,15 +141,13 @@ def _progress(terminal: IO[str] | None) -> Iterator[None]:
 
     from . import progress
 
-    patched: list[tuple[Any, str, Any]] = []
-    depth = threading.local()
+    depth = threading.local()  # nested long calls: the outermost line is showing
+    shown: dict[str, Any] = {}
 
-    def wrap(function: Any, what: str) -> Any:
-        @functools.wraps(function)
-        def with_progress(*args: Any, **kwargs: Any) -> Any:
-            if getattr(depth, "value", 0):  # nested long call: the outer line is showing
-                return function(*args, **kwargs)
-            depth.value = 1
+    def call(what: str, started: bool) -> None:
+        level = getattr(depth, "value", 0)
+        depth.value = level + 1 if started else level - 1
+        if started and level == 0 and not shown:  # one line, for the first thread
             bar = tqdm(desc=what, file=terminal, leave=False, bar_format="{desc} ... {elapsed}")
             stop = threading.Event()
 
@@ -144,31 +157,19 @@ def _progress(terminal: IO[str] | None) -> Iterator[None]:
 
             ticker = threading.Thread(target=tick, daemon=True)
             ticker.start()
+            shown.update(bar=bar, stop=stop, ticker=ticker, what=what, thread=threading.get_ident())
+        elif not started and level == 1 and shown.get("thread") == threading.get_ident():
+            shown["stop"].set()
+            shown["ticker"].join()
+            shown["bar"].close()
+            shown.clear()
 
-            def show(event: Any) -> None:  # a lowering's phase (qnn_convbwd.progress)
-                bar.set_description_str(f"{what}: {event.describe().split(' (')[0]}")
+    def phase(event: Any) -> None:  # a lowering's phase
+        if shown:
+            shown["bar"].set_description_str(f"{shown['what']}: {event.describe().split(' (')[0]}")
 
-            try:
-                with progress.observe(show):
-                    return function(*args, **kwargs)
-            finally:
-                stop.set()
-                ticker.join()
-                bar.close()
-                depth.value = 0
-
-        return with_progress
-
-    for module_name, name, what in LONG_CALLS:
-        module = importlib.import_module(module_name)
-        original = getattr(module, name)
-        patched.append((module, name, original))
-        setattr(module, name, wrap(original, what))
-    try:
+    with progress.observe_calls(call), progress.observe(phase):
         yield
-    finally:
-        for module, name, original in patched:
-            setattr(module, name, original)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,11 @@ Phases, in order: ``export passes`` (the program's passes before partitioning),
 ``partition``, then per delegate ``QNN graph build`` and either ``finalize``
 (QAIRT compiles the context binary) or ``cache hit`` (``context_cache``).
 
+Besides the phases, the package's long calls (lowering, a simulator run, training
+side by side, a Saver recording, a probe in a child process) are marked with
+``long_call``: observers registered with ``observe_calls`` hear when each starts
+and ends, and what it is doing.
+
 A lowering through ``qnn_convbwd.lower`` is one run (``run``); the stock flow
 (``to_edge_transform_and_lower`` after ``enable()``) starts a run when executorch
 calls the partitioner's pre-decomposition transform, and that run ends after its
@@ -18,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,10 @@ class _Run:
 
 _lock = threading.Lock()
 _observers: list[Callable[[Event], None]] = []
+# Called with (what the call is doing, True when it starts / False when it ends).
+_call_observers: list[Callable[[str, bool], None]] = []
+
+F = TypeVar("F", bound=Callable[..., Any])
 _current: _Run | None = None
 
 
@@ -149,3 +160,46 @@ def _emit(name: str) -> None:
             callback(event)
         except Exception:  # an observer must not break the lowering
             logger.exception("progress observer %r failed", callback)
+
+
+@contextlib.contextmanager
+def observe_calls(callback: Callable[[str, bool], None]) -> Iterator[None]:
+    """Call ``callback(what, True)`` when a ``long_call`` starts and ``callback(what,
+    False)`` when it ends (also on an exception), while the block runs."""
+    with _lock:
+        _call_observers.append(callback)
+    try:
+        yield
+    finally:
+        with _lock:
+            _call_observers.remove(callback)
+
+
+def long_call(what: str) -> Callable[[F], F]:
+    """Mark a function as a long call doing ``what`` (e.g. "lowering") for the
+    ``observe_calls`` observers; with none registered it costs one list read."""
+
+    def mark(function: F) -> F:
+        @functools.wraps(function)
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            with _lock:
+                observers = list(_call_observers)
+            if not observers:
+                return function(*args, **kwargs)
+            _tell(observers, what, True)
+            try:
+                return function(*args, **kwargs)
+            finally:
+                _tell(observers, what, False)
+
+        return marked  # type: ignore[return-value]
+
+    return mark
+
+
+def _tell(observers: list[Callable[[str, bool], None]], what: str, started: bool) -> None:
+    for callback in observers:
+        try:
+            callback(what, started)
+        except Exception:  # an observer must not break the call
+            logger.exception("long-call observer %r failed", callback)

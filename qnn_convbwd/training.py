@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from . import integration
+from . import integration, progress
 
 
 class WithLoss(torch.nn.Module):
@@ -371,6 +371,7 @@ class TrainingRun:
         )
 
 
+@progress.long_call("training on the HTP simulator")
 def train_side_by_side(
     pte: bytes,
     model: torch.nn.Module,
@@ -453,6 +454,7 @@ class TrainingProgram:
         )
 
 
+@progress.long_call("lowering")
 def lower_for_training(
     module: torch.nn.Module,
     inputs: tuple,

@@ -20,17 +20,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import torch
+from torch.export.experimental import _export_forward_backward
 
-import torch  # noqa: E402
-import zoo  # noqa: E402
-from torch.export.experimental import _export_forward_backward  # noqa: E402
-
-from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import models  # noqa: E402
-from qnn_convbwd.tools.reference_kernels import pinned  # noqa: E402
+from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev import models, zoo
+from qnn_convbwd_dev.reference_kernels import pinned
 
 
 class Probe(torch.nn.Module):

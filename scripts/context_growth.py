@@ -4,7 +4,7 @@
 For one frozen convolution (``weight_bytes.ConvConfig``, e.g. 256x512x1) at
 several input sizes, compiles (no simulator run):
 
-* ``fwd``, ``fwd+bwd``, ``bwd``: the programs of ``qnn_convbwd.tools.weight_bytes``
+* ``fwd``, ``fwd+bwd``, ``bwd``: the programs of ``qnn_convbwd_dev.weight_bytes``
   (the forward convolution, both, the grad_input ``convolution_backward`` alone);
 * ``fwd+bwd transpose_conv``, ``bwd transpose_conv``: the same with
   ``input_gradient="transpose_conv"`` (each convolution reads its own static
@@ -30,7 +30,7 @@ import torch
 
 from qnn_convbwd import integration
 from qnn_convbwd.toolchain import harness
-from qnn_convbwd.tools import weight_bytes
+from qnn_convbwd_dev import weight_bytes
 
 
 class Relu(torch.nn.Module):

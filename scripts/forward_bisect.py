@@ -3,7 +3,7 @@
 Each block of ``net.features`` (EfficientNet's stages expanded into their MBConv
 blocks; ShuffleNetV2's ``conv1``, ``maxpool`` and the blocks of its stages;
 ResNet's stem, ``maxpool`` and its residual blocks) and the head, fed the fp32
-input it gets in the whole net (``tests/zoo.calibrated``: random weights,
+input it gets in the whole net (``qnn_convbwd_dev.zoo.calibrated``: random weights,
 batch-norm statistics from random batches), is exported alone as an inference
 program, lowered with ``qnn_convbwd.lower`` and run. One markdown row per
 block: relative L2 of the HTP's output and of torch fp16's (the block in
@@ -23,18 +23,13 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import zoo  # noqa: E402
-from zoo_fidelity import parse_options  # noqa: E402
-
-import qnn_convbwd  # noqa: E402
-from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import fidelity, reference_kernels  # noqa: E402
+import qnn_convbwd
+from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev import fidelity, reference_kernels, zoo
+from qnn_convbwd_dev.zoo import parse_options
 
 
 class Head(torch.nn.Module):

@@ -18,7 +18,7 @@ import argparse
 import collections
 
 from qnn_convbwd import integration, options
-from qnn_convbwd.tools import cost, weight_bytes
+from qnn_convbwd_dev import cost, weight_bytes
 
 
 def ideal(config: weight_bytes.ConvConfig) -> int:

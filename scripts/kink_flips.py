@@ -3,7 +3,7 @@
 The zoo graph's model and input (``zoo.step``: ``zoo.graph``'s, not exported;
 calibrated random weights, the parameters SCHEME trains, MSE), run in fp32 and
 in torch fp16 on CPU by
-``qnn_convbwd.tools.kinks.find``; nothing is lowered. Prints the flips nearest
+``qnn_convbwd_dev.kinks.find``; nothing is lowered. Prints the flips nearest
 the fidelity bound (one element crossing a ReLU / ReLU6 / Hardsigmoid /
 Hardswish kink, the gradient it moves and by how much, against torch fp16's
 own error on that gradient), then every gate with an element within WITHIN x
@@ -21,13 +21,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import zoo  # noqa: E402
-
-from qnn_convbwd.tools import kinks  # noqa: E402
+from qnn_convbwd_dev import kinks, zoo
 
 
 def main() -> int:

@@ -19,15 +19,12 @@ import hashlib
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import qnn_convbwd  # noqa: E402
-from qnn_convbwd import progress  # noqa: E402
-from qnn_convbwd.toolchain import harness  # noqa: E402
+import qnn_convbwd
+from qnn_convbwd import progress
+from qnn_convbwd.toolchain import harness
 
 
 def main() -> int:
@@ -41,7 +38,7 @@ def main() -> int:
     parser.add_argument("--max-delegate-ops", type=int, default=None)
     args = parser.parse_args()
 
-    import zoo
+    from qnn_convbwd_dev import zoo
 
     model, inputs = zoo.step(args.arch, args.scheme, args.size)
     generator = torch.Generator().manual_seed(0)

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
-"""Where ``qnn_convbwd.lower()`` spends its time, per phase (``tools.lowering_time``).
+"""Where ``qnn_convbwd.lower()`` spends its time, per phase (``qnn_convbwd_dev.lowering_time``).
 
 ``model`` mode: for a torchvision model, a training scheme and a SoC
-(``tests/zoo.graph``), lowers in one process the inference graph (the
+(``qnn_convbwd_dev.zoo.graph``), lowers in one process the inference graph (the
 calibrated net in eval mode, batch 1) and the joint training graph, and prints
 per lowering the time of each phase (export passes, partition, QNN graph build
 and QNN finalisation per delegate, the rest of ``lower()``), the ATen ops of
@@ -31,12 +31,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from qnn_convbwd.geometry import conv as geo  # noqa: E402
-from qnn_convbwd.geometry import permutation  # noqa: E402
-from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import lowering_time  # noqa: E402
+from qnn_convbwd.geometry import conv as geo
+from qnn_convbwd.geometry import permutation
+from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev import lowering_time
 
 
 def _counts(counter: Counter, top: int = 12) -> str:
@@ -83,7 +81,7 @@ HEADER = (
 
 
 def model_rows(arch: str, scheme: str, soc: str, size: int, which: list[str]) -> list[dict]:
-    import zoo
+    from qnn_convbwd_dev import zoo
 
     rows = []
     if "inference" in which:
@@ -186,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="mode", required=True)
     model = sub.add_parser("model", help="a torchvision model's inference and training graphs")
     model.add_argument("arch")
-    model.add_argument("scheme", help="bias_only, last_layers, full or adapter (tests/zoo.py)")
+    model.add_argument(
+        "scheme", help="bias_only, last_layers, full or adapter (qnn_convbwd_dev/zoo.py)"
+    )
     model.add_argument("--size", type=int, default=32)
     model.add_argument(
         "--only", choices=("inference", "training"), help="lower only one of the two graphs"

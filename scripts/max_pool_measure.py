@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from test_max_pool import ZOO_CONFIGS, PoolBank  # noqa: E402
-
-from qnn_convbwd import integration  # noqa: E402
-from qnn_convbwd.builders import op_max_pool_backward as mpb  # noqa: E402
-from qnn_convbwd.toolchain import harness  # noqa: E402
+from qnn_convbwd import integration
+from qnn_convbwd.builders import op_max_pool_backward as mpb
+from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev.pool_bank import ZOO_CONFIGS, PoolBank
 
 
 def measure(name: str, soc: str, formulation: str) -> str:

@@ -11,8 +11,8 @@ docs/cost.md for what these numbers are worth on the simulator.
     python scripts/op_cycles.py --zoo resnet18 bias_only --runs 3 --summary
     python scripts/op_cycles.py --conv 256x256x3 --input-gradient transpose_conv --runs 5
 
-``--zoo ARCH SCHEME`` profiles ``tests/zoo.graph(ARCH, SCHEME, --size)`` instead;
-``--conv CONFIG`` one frozen convolution and its grad_input (``tools.weight_bytes``'
+``--zoo ARCH SCHEME`` profiles ``qnn_convbwd_dev.zoo.graph(ARCH, SCHEME, --size)`` instead;
+``--conv CONFIG`` one frozen convolution and its grad_input (``qnn_convbwd_dev.weight_bytes``'
 ``fwd+bwd`` program; CONFIG as in scripts/weight_bytes.py). ``--summary`` adds the
 cycles per kind of op (``op_kind``) and run.
 """
@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import re
-import sys
 import tempfile
 from collections import defaultdict
 from pathlib import Path
 
 from qnn_convbwd import api, options
 from qnn_convbwd.toolchain import ensure_sdk
-from qnn_convbwd.tools import models, weight_bytes
+from qnn_convbwd_dev import models, weight_bytes
 
 _ATEN = re.compile(r"aten_(.+?)_(?:default|tensor|scalar|int|dim|self|intlist)(?:_|$|:)", re.I)
 
@@ -46,7 +45,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(models.TRAINING_MODELS), default="demo")
     parser.add_argument("--trainable", action="store_true")
-    parser.add_argument("--zoo", nargs=2, metavar=("ARCH", "SCHEME"), help="tests/zoo.graph")
+    parser.add_argument(
+        "--zoo", nargs=2, metavar=("ARCH", "SCHEME"), help="qnn_convbwd_dev.zoo.graph"
+    )
     parser.add_argument("--size", type=int, default=32, help="input size of --zoo")
     parser.add_argument("--conv", metavar="CONFIG", help="one frozen conv, fwd+bwd")
     parser.add_argument("--summary", action="store_true", help="cycles per kind of op too")
@@ -81,8 +82,7 @@ def main() -> None:
         profile_level=args.level,
     )
     if args.zoo:
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        import zoo
+        from qnn_convbwd_dev import zoo
 
         graph = zoo.graph(*args.zoo, args.size)
         title, joint, inputs = graph.name, graph.program, graph.inputs

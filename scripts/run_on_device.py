@@ -25,7 +25,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from qnn_convbwd.tools import device
+from qnn_convbwd import device
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("-H", "--adb-host", help="adb server host (adb -H)")
     parser.add_argument("--workspace", default=device.DEFAULT_WORKSPACE, help="device directory")
     parser.add_argument("--out", type=Path, default=Path("device_run"), help="host directory")
-    parser.add_argument("--backbone", default="demo", help="qnn_convbwd.tools.models backbone")
+    parser.add_argument("--backbone", default="demo", help="qnn_convbwd_dev.models backbone")
     parser.add_argument("--size", type=int, default=15, help="input height and width")
     parser.add_argument("--channels", type=int, default=8)
     parser.add_argument("--trainable-backbone", action="store_true")
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
-    from qnn_convbwd.tools.models import training_graph
+    from qnn_convbwd_dev.models import training_graph
 
     graph = training_graph(
         args.backbone,

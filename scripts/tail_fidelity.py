@@ -4,7 +4,7 @@ The blocks ``forward_bisect.blocks`` lists from index START on (to the head),
 trained by SCHEME (``zoo.trainable`` names, e.g. every bias), MSE against the
 zoo graph's target, fed the fp32 activation the whole net computes at START for
 the zoo graph's input. Lowered with ``qnn_convbwd.lower``, run on the simulator,
-judged per tensor with ``qnn_convbwd.tools.fidelity``: whether a gradient's error
+judged per tensor with ``qnn_convbwd_dev.fidelity``: whether a gradient's error
 is made in the tail or comes with the forward error of the blocks before it.
 
     PYTHONPATH=. python scripts/tail_fidelity.py shufflenet_v2_x0_5 14 [--scheme bias_only]
@@ -18,20 +18,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
+from forward_bisect import blocks
+from torch.export.experimental import _export_forward_backward
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import zoo  # noqa: E402
-from forward_bisect import blocks  # noqa: E402
-from torch.export.experimental import _export_forward_backward  # noqa: E402
-from zoo_fidelity import parse_options  # noqa: E402
-
-import qnn_convbwd  # noqa: E402
-from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import fidelity, models  # noqa: E402
+import qnn_convbwd
+from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev import fidelity, models, zoo
+from qnn_convbwd_dev.zoo import parse_options
 
 
 def tail_graph(arch: str, start: int, scheme: str, size: int = 32) -> models.TrainingGraph:

@@ -18,8 +18,9 @@ import statistics
 import time
 
 from qnn_convbwd import MaxPoolBackwardOnCpu, training
+from qnn_convbwd.commands import train_cli
 from qnn_convbwd.toolchain import harness
-from qnn_convbwd.tools import models, train_cli
+from qnn_convbwd_dev import models
 
 
 def cpu_only_step_seconds(case: models.TrainingCase, steps: int, lr: float) -> float:

@@ -19,7 +19,7 @@ import sys
 
 from qnn_convbwd import options
 from qnn_convbwd.builders.input_gradient import FORMULATIONS
-from qnn_convbwd.tools import weight_bytes
+from qnn_convbwd_dev import weight_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,7 +5,7 @@ For one architecture, scheme, input size and SoC (``tests/zoo.graph``), three
 lowerings of the joint graph:
 
 * the plugin (``qnn_convbwd.lower``), QNN graphs captured: multiply-adds of the
-  lowered program against the ideal step (``tools.cost``), context bytes,
+  lowered program against the ideal step (``qnn_convbwd_dev.cost``), context bytes,
   executorch's planned memory, delegates, wall time;
 * every backward kept on CPU (``cost.BACKWARD_ON_CPU``): planned memory,
   delegates, time (``--no-cpu-baseline`` skips it);
@@ -35,12 +35,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import zoo  # noqa: E402
-
-from qnn_convbwd.toolchain import saver  # noqa: E402
-from qnn_convbwd.tools import cost  # noqa: E402
+from qnn_convbwd.toolchain import saver
+from qnn_convbwd_dev import cost, zoo
 
 KEY = ("model", "scheme", "px", "SoC")
 # the columns of the Saver recording (or, where there is one, the HTP lowering's MACs) ...

@@ -3,7 +3,7 @@
 For each architecture, scheme and size (``tests/zoo.graph``: random weights,
 batch-norm statistics from random batches, the scheme's parameters trained, MSE):
 lower the joint graph for a SoC with ``qnn_convbwd.lower``, run it on the x86-64
-HTP simulator, judge every output with ``qnn_convbwd.tools.fidelity`` against torch
+HTP simulator, judge every output with ``qnn_convbwd_dev.fidelity`` against torch
 fp32 and fp16. Prints one markdown row per graph (and, with ``--tensors``, the
 full per-tensor report). On a V68 SoC (SM8350) nothing is delegated and the
 program runs on ExecuTorch's CPU kernels: the row then checks those.
@@ -31,7 +31,7 @@ fp16 can tell, so the pooled floor is torch fp16's typical error on it rather
 than one draw (docs/numerics.md). The input's own verdict is printed beside.
 
 ``--why`` explains every tensor outside the bound, after the table: torch's
-fp32 and fp16 step on the graph's input (``tools.kinks``, CPU) finds the gate
+fp32 and fp16 step on the graph's input (``qnn_convbwd_dev.kinks``, CPU) finds the gate
 elements next to a kink, and a tensor is explained when one such element,
 flipped alone, moves its gradient past the judge's limit on it
 (``kinks.explain``); otherwise the largest flip that reaches it is named.
@@ -54,14 +54,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-import zoo  # noqa: E402
-
-import qnn_convbwd  # noqa: E402
-from qnn_convbwd.toolchain import harness  # noqa: E402
-from qnn_convbwd.tools import fidelity  # noqa: E402
-from qnn_convbwd.tools.train_cli import cpu_ops  # noqa: E402
+import qnn_convbwd
+from qnn_convbwd.commands.train_cli import cpu_ops
+from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev import fidelity, zoo
 
 
 def measure(
@@ -236,7 +232,7 @@ def main() -> int:
     parser.add_argument(
         "--why",
         action="store_true",
-        help="after the table, the gate flips (tools.kinks) behind every tensor outside",
+        help="after the table, the gate flips (qnn_convbwd_dev.kinks) behind every tensor outside",
     )
     parser.add_argument(
         "--gates",
@@ -251,23 +247,8 @@ def main() -> int:
         "--set", nargs="*", default=[], metavar="OPTION=VALUE", help="qnn_convbwd options"
     )
     args = parser.parse_args()
-    with qnn_convbwd.enabled(**parse_options(args.set)):
+    with qnn_convbwd.enabled(**zoo.parse_options(args.set)):
         return sweep(args)
-
-
-def parse_options(pairs: list[str]) -> dict[str, object]:
-    """``["a=b", "loss_scale=256.0", "htp_optimization=2"]`` as
-    ``{"a": "b", "loss_scale": 256.0, "htp_optimization": 2}``."""
-    out: dict[str, object] = {}
-    for pair in pairs:
-        name, _, value = pair.partition("=")
-        for parse in (int, float, str):
-            try:
-                out[name] = parse(value)
-                break
-            except ValueError:
-                continue
-    return out
 
 
 def sweep(args: argparse.Namespace) -> int:

@@ -128,7 +128,7 @@ def plugin():
 @pytest.fixture(scope="session")
 def resnet18_bias_only():
     """``zoo.bias_only("resnet18")`` at 32x32, built once for test_zoo and test_max_pool_zoo."""
-    import zoo
+    from qnn_convbwd_dev import zoo
 
     try:
         return zoo.bias_only("resnet18", 32)
@@ -155,7 +155,7 @@ def cifar_on_sm8650(qnn_sdk):
     import copy
 
     from qnn_convbwd.toolchain import harness
-    from qnn_convbwd.tools import models
+    from qnn_convbwd_dev import models
 
     @functools.cache
     def lowered(trainable: bool):

@@ -1,4 +1,4 @@
-"""qnn_convbwd.tools.bench: counts on lowered programs, the three lowerings, crash isolation,
+"""qnn_convbwd_dev.bench: counts on lowered programs, the three lowerings, crash isolation,
 report."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import struct
 import pytest
 import torch
 
-from qnn_convbwd.tools import bench, bench_report
+from qnn_convbwd_dev import bench, bench_report
 
 # --- helpers for the simulator worker (module level: the spawned worker imports them) ------
 
@@ -174,7 +174,7 @@ def test_simulator_turns_a_worker_crash_into_an_error_and_recovers():
 
 @pytest.fixture(scope="module")
 def small_graph():
-    from qnn_convbwd.tools.models import training_graph
+    from qnn_convbwd_dev.models import training_graph
 
     return training_graph("resnet", size=8, depth=1)
 

@@ -23,7 +23,7 @@ import torch
 import qnn_convbwd
 from qnn_convbwd import context_cache, progress
 from qnn_convbwd.toolchain import harness
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 ROOT = Path(__file__).resolve().parent.parent
 SOC = "SM8650"
@@ -295,6 +295,32 @@ def test_progress_observers_see_a_run_in_order():
         "done",
     ]
     assert events[-1].elapsed >= 0.02
+
+
+def test_the_cli_progress_line_follows_long_calls_without_replacing_them():
+    """The CLI hears the package's long calls (``progress.long_call``) and their phases;
+    no function of the package is swapped for a wrapper, and nothing is left observing."""
+    from qnn_convbwd import api, cli
+    from qnn_convbwd.toolchain import harness
+
+    @progress.long_call("working")
+    def work(nested: bool) -> int:
+        if nested:  # an inner long call: the outer line stays
+            return work(False)
+        with progress.run():
+            progress.phase(progress.EXPORT)
+            progress.phase(progress.PARTITION)
+        return 7
+
+    originals = (api.lower, harness.lower_program, harness.run_pte)
+    terminal = io.StringIO()
+    with cli._progress(terminal):
+        assert (api.lower, harness.lower_program, harness.run_pte) == originals
+        assert work(True) == 7
+    shown = terminal.getvalue()
+    assert "working: export passes" in shown and "working: partition" in shown
+    assert progress._call_observers == [] and progress._observers == []
+    assert work(True) == 7 and terminal.getvalue() == shown  # no one observes now
 
 
 @pytest.mark.htp

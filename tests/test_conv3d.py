@@ -26,7 +26,7 @@ from tiers import sweep
 import qnn_convbwd
 from qnn_convbwd import integration
 from qnn_convbwd.builders import input_gradient_runtime_weight as rw
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 CONFIGS = [
     *generate_3d_configs(12, seed=3),

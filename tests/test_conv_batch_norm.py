@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd.tools import fidelity
-from qnn_convbwd.tools import numerics_models as nm
+from qnn_convbwd_dev import fidelity
+from qnn_convbwd_dev import numerics_models as nm
 
 BN = "aten._native_batch_norm_legit_no_training.default"
 
@@ -84,6 +84,46 @@ def test_frozen_pairs_fold_and_grad_input_reads_the_folded_weight():
     assert len(before) == len(after) == len(names)
     for name, a, b in zip(names, after, before):
         assert fidelity.Metrics.of(a, b).rel_l2 < 1e-5, name
+
+
+def _contents(container: dict | list) -> list:
+    return list(container.values()) if isinstance(container, dict) else list(container)
+
+
+def test_an_observer_sees_each_folded_weight_and_the_pass_keeps_none():
+    """``observe_folds`` hands over, by parameter name, the very values each folded
+    convolution stores; outside the block the pass calls no one and keeps nothing."""
+    from qnn_convbwd.passes import conv_batch_norm
+
+    graph = nm.bn_training_graph(train="bias", backbone_fn=_stem_and_block)
+    edge = _edge(graph.program)
+    seen: dict[str, torch.Tensor] = {}
+    with conv_batch_norm.observe_folds(seen.__setitem__):
+        assert conv_batch_norm.fold_batch_norms(edge.graph_module, edge) == 4
+    frozen = {n for n, p in graph.model.named_parameters() if not p.requires_grad}
+    assert len(seen) == 4 and set(seen) <= frozen
+    stored = [
+        getattr(edge.graph_module, c.args[1].target)
+        for c in _calls(edge.graph_module, "aten.convolution.default")
+    ]
+    for name, weight in seen.items():
+        assert any(s.shape == weight.shape and torch.equal(s, weight) for s in stored), name
+        original = dict(graph.model.named_parameters())[name]
+        assert not torch.equal(weight, original)  # the batch norm's scale is in it
+
+    later: dict[str, torch.Tensor] = {}
+    again = _edge(nm.bn_training_graph(train="bias", backbone_fn=_stem_and_block).program)
+    with conv_batch_norm.observe_folds(later.__setitem__):
+        pass
+    assert conv_batch_norm.fold_batch_norms(again.graph_module, again) == 4
+    assert later == {} and conv_batch_norm._fold_observers == []
+    held = [
+        name
+        for name, value in vars(conv_batch_norm).items()
+        if isinstance(value, dict | list)
+        and any(isinstance(v, torch.Tensor) for v in _contents(value))
+    ]
+    assert held == []  # no module-level container of tensors
 
 
 def test_a_trained_batch_norm_weight_is_not_folded_and_says_why(caplog):

@@ -26,7 +26,7 @@ from torch import nn
 
 import qnn_convbwd
 from qnn_convbwd.geometry import conv as geo
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 U_FP16 = 2.0**-11
 BOUND_FACTOR = 4.0

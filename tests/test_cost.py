@@ -1,4 +1,4 @@
-"""qnn_convbwd.tools.cost: multiply-adds of QNN ops and of the ideal training step.
+"""qnn_convbwd_dev.cost: multiply-adds of QNN ops and of the ideal training step.
 
 The MAC formulas are checked against torch's own ``FlopCounterMode`` (2 FLOPs
 a multiply-add) on generated configurations, the ideal step against the FLOPs
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from qnn_convbwd.integration import QnnOpInfo, QnnTensorInfo
-from qnn_convbwd.tools import cost, models
+from qnn_convbwd_dev import cost, models
 
 
 def _tensor(name: str, t: torch.Tensor, kind: str = "QNN_TENSOR_TYPE_NATIVE") -> QnnTensorInfo:
@@ -222,7 +222,7 @@ def test_cli_prints_the_report(demo_cost, monkeypatch, capsys):
 
     from qnn_convbwd import cli
 
-    assert cli.COMMANDS["cost"][0] == "qnn_convbwd.tools.cost"
+    assert cli.COMMANDS["cost"][0] == "qnn_convbwd_dev.cost"
     parser = argparse.ArgumentParser()
     cost.add_arguments(parser)
     args = parser.parse_args(["--model", "demo", "--frozen", "--soc", "SM8650"])

@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_gates import CPU_CANNOT_RUN, NOT_DELEGATED, lowered_graphs
 
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 V68 = "SM8350"
 CONV_BWD_OP = "aten.convolution_backward.default"

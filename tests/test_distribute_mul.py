@@ -15,7 +15,7 @@ from test_sigmoid import _flat_inputs, silu_edge
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd.tools import fidelity
+from qnn_convbwd_dev import fidelity
 
 
 def _products_of_constant_sums(gm: torch.fx.GraphModule) -> list[str]:

@@ -427,7 +427,7 @@ DRAW_OPS = {
 def _cifar():
     from executorch.extension.training.examples.CIFAR.model import CIFAR10Model
 
-    from qnn_convbwd.tools import models
+    from qnn_convbwd_dev import models
 
     torch.manual_seed(0)
     model = models.CrossEntropyTraining(CIFAR10Model().train())
@@ -466,8 +466,8 @@ def cifar_lowered(qnn_sdk):
 def test_cifar_train_is_one_delegate(cifar_lowered):
     """Dropout no longer splits the graph: one delegate with the three max pools (and
     their indices) and their backwards; on CPU only the draw and its counter."""
+    from qnn_convbwd.commands.train_cli import cpu_ops
     from qnn_convbwd.toolchain import harness
-    from qnn_convbwd.tools.train_cli import cpu_ops
 
     _, _, _, compiled = cifar_lowered
     assert harness.delegate_count(compiled.edge) == 1

@@ -19,7 +19,7 @@ import torch
 from programs import Config, ConvBackwardBank, assert_bank_matches
 from tiers import ANOTHER_ARCH, sweep
 
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 BOUND_FACTOR = 4.0
 

@@ -1,4 +1,4 @@
-"""``tools.gate_match``: a training step judged with each side's own gate decisions.
+"""``qnn_convbwd_dev.gate_match``: a training step judged with each side's own gate decisions.
 
 MobileNetV3-Small fully trained at 32 px is outside the fidelity bound on its
 first squeeze-excitation ``fc1`` because the HTP's forward rounds other gate
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.export.experimental import _export_forward_backward
 
-from qnn_convbwd.tools import fidelity, gate_match, kinks, models
+from qnn_convbwd_dev import fidelity, gate_match, kinks, models
 
 
 class _SqueezeExcite(nn.Module):

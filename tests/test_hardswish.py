@@ -16,7 +16,7 @@ from test_sigmoid import _flat_inputs, bias_only_joint, conv_bn
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd.tools import fidelity
+from qnn_convbwd_dev import fidelity
 
 
 class HardBlock(nn.Module):

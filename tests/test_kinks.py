@@ -1,4 +1,4 @@
-"""``tools.kinks``: the gate inputs a training step's gradients hinge on.
+"""``qnn_convbwd_dev.kinks``: the gate inputs a training step's gradients hinge on.
 
 MobileNetV3-Small at 96 px is outside the fidelity bound on squeeze-excitation
 ``fc1`` tensors whose ReLU the HTP and torch fp16 round to different sides
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zoo
 from torch import nn
 
-from qnn_convbwd.tools import kinks
+from qnn_convbwd_dev import kinks, zoo
 
 
 @pytest.mark.parametrize(
@@ -78,7 +77,7 @@ def test_a_flips_impact_is_the_gradient_change_of_crossing_the_kink():
 
 def test_explain_names_the_flip_behind_a_tensor_outside_and_only_then():
     """A stand-in for the HTP that crosses the kink of ``_Tiny``'s element (0, 2)."""
-    from qnn_convbwd.tools.fidelity import Metrics, Report, Row
+    from qnn_convbwd_dev.fidelity import Metrics, Report, Row
 
     model = _Tiny()
     _, flips = kinks.find(model, (model.x, model.target), top=None)

@@ -1,11 +1,11 @@
-"""``tools.lowering_time``: phases of a real lowering timed, executorch left as it was."""
+"""``qnn_convbwd_dev.lowering_time``: phases of a real lowering timed, executorch left as it was."""
 
 import importlib
 
 import pytest
 import torch
 
-from qnn_convbwd.tools import lowering_time
+from qnn_convbwd_dev import lowering_time
 
 
 class _Conv(torch.nn.Module):

@@ -18,12 +18,12 @@ import logging
 
 import pytest
 import torch
-from test_max_pool import pool_args
 from tiers import sweep
 from torch import nn
 
 from qnn_convbwd import integration
 from qnn_convbwd.partition import max_pool
+from qnn_convbwd_dev.pool_bank import pool_args
 
 BACKWARD = "max_pool2d_with_indices_backward"
 FORWARD = "max_pool2d_with_indices"
@@ -184,7 +184,7 @@ class ConvPoolNet(nn.Module):
 def conv_pool_graph(config_name: str):
     from torch.export.experimental import _export_forward_backward
 
-    from qnn_convbwd.tools import models
+    from qnn_convbwd_dev import models
 
     torch.manual_seed(0)
     config = CONFIGS[config_name]
@@ -202,7 +202,7 @@ def test_training_graph_is_one_delegate_within_fidelity(qnn_sdk, config_name):
     """Forward pools, their indices and backwards, convolutions and their backwards:
     all in one delegate, every gradient within fidelity of torch."""
     from qnn_convbwd.toolchain import harness
-    from qnn_convbwd.tools import fidelity
+    from qnn_convbwd_dev import fidelity
 
     graph = conv_pool_graph(config_name)
     compiled = harness.lower_program(graph.program, "SM8650")
@@ -225,7 +225,7 @@ def test_backward_kept_on_cpu_keeps_the_forward_on_cpu(qnn_sdk, caplog):
     """executorch's skip options keep the backward on CPU: its indices would leave the
     delegate, so the forward stays on CPU too (one log line), and the step is right."""
     from qnn_convbwd.toolchain import harness
-    from qnn_convbwd.tools import fidelity
+    from qnn_convbwd_dev import fidelity
 
     graph = conv_pool_graph("k3s2p1")
     with caplog.at_level(logging.INFO, logger="qnn_convbwd"):
@@ -326,9 +326,9 @@ def test_cifar_training_graph_is_one_delegate_within_fidelity(cifar_on_sm8650):
     the loss tail (``full_reductions``) in one delegate; nothing left on CPU. (The
     lowering is shared with test_training.py's training of the same program.)"""
     from qnn_convbwd import api
+    from qnn_convbwd.commands.train_cli import cpu_ops
     from qnn_convbwd.toolchain import harness
-    from qnn_convbwd.tools import fidelity
-    from qnn_convbwd.tools.train_cli import cpu_ops
+    from qnn_convbwd_dev import fidelity
 
     case, program, compiled = cifar_on_sm8650(True)
     transformed = api.transformed(program, harness.compile_specs("SM8650"))

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from qnn_convbwd.tools import models, reference_kernels
+from qnn_convbwd_dev import models, reference_kernels
 
 BACKWARD = "max_pool2d_with_indices_backward"
 SIZE = 32

@@ -1,7 +1,7 @@
 """Numerics: the fidelity verdict, eval-mode batch norm, static loss scaling.
 
 HTP tests judge the simulator against torch's own fp16 step or forward (the
-floor), per tensor, with ``qnn_convbwd.tools.fidelity``; docs/numerics.md has the
+floor), per tensor, with ``qnn_convbwd_dev.fidelity``; docs/numerics.md has the
 measured tables.
 """
 
@@ -15,8 +15,8 @@ from tiers import sweep
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd.tools import fidelity, models
-from qnn_convbwd.tools import numerics_models as nm
+from qnn_convbwd_dev import fidelity, models
+from qnn_convbwd_dev import numerics_models as nm
 
 # --- fidelity: metrics and verdict (no SDK) -----------------------------------------
 

@@ -15,7 +15,7 @@ from torch import nn
 
 import qnn_convbwd
 from qnn_convbwd.geometry import conv as geo
-from qnn_convbwd.tools import fidelity, models
+from qnn_convbwd_dev import fidelity, models
 
 
 def _backward(i: int, k: int, p: int, s: int, d: int, groups: int = 1, channels: int = 2):

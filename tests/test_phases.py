@@ -207,12 +207,48 @@ def test_phases_match_aten_on_the_simulator(qnn_sdk, soc):
     assert_bank_matches(compiled, bank)
 
 
+def test_a_declined_phase_plan_is_a_fallback_in_the_report(qnn_sdk, caplog):
+    """A dilated stride-2 node asked for stride="phases" is built with zero_insert: the
+    report's ``fallbacks`` names it with the reason, the plain stride-2 node beside it
+    has none, and both still compute aten's grad_input."""
+    import logging
+
+    from programs import ConvBackwardBank, assert_bank_matches
+
+    import qnn_convbwd
+    from qnn_convbwd.toolchain import harness
+
+    dilated = Config(1, 4, 4, (3, 3), (2, 2), (2, 2), 1, (9, 9), dilation=(2, 2))
+    plain = Config(1, 4, 4, (3, 3), (2, 2), (1, 1), 1, (9, 9))
+    bank = ConvBackwardBank([dilated, plain])
+    with (
+        qnn_convbwd.enabled(stride="phases"),
+        caplog.at_level(logging.INFO, logger="qnn_convbwd.partition.judge"),
+    ):
+        compiled = harness.lower_program(bank.export(), "SM8650")
+    report = compiled.report
+    assert report.delegated == 2, report.to_markdown()
+    (row,) = [r for r in report.rows if r.dilation == [2, 2]]
+    (fallback,) = report.fallbacks
+    assert fallback.node == row.node and fallback.op == "convolution_backward"
+    assert (fallback.asked, fallback.built) == ('stride="phases"', 'stride="zero_insert"')
+    assert "dilated" in fallback.reason
+    assert fallback.node in report.fallbacks_markdown()
+    logged = [m for m in caplog.messages if 'falls back to stride="zero_insert"' in m]
+    assert len(logged) == 1 and fallback.reason in logged[0]  # once, not per build
+    assert_bank_matches(compiled, bank)
+
+    with qnn_convbwd.enabled(stride="zero_insert"):
+        asked_zero_insert = harness.lower_program(bank.export(), "SM8650")
+    assert asked_zero_insert.report.fallbacks == []
+
+
 def test_phase_filters_are_slices_of_the_forward_filter(qnn_sdk):
     """runtime_weight: every phase's TransposeConv2d reads a StridedSlice of the one HWOI
     Transpose of the forward Conv2d's filter; the weight is stored once."""
     from qnn_convbwd import integration
     from qnn_convbwd.builders import input_gradient_runtime_weight as rw
-    from qnn_convbwd.tools import weight_bytes as wb
+    from qnn_convbwd_dev import weight_bytes as wb
 
     config = wb.ConvConfig(32, 48, 3, stride=2, size=16)
     with integration.capture_qnn_graphs() as graphs:

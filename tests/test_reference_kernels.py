@@ -1,7 +1,7 @@
 """The judge's numbers do not depend on what ran earlier in the process.
 
 executorch's QNN lowering turns oneDNN off for the whole process on an AMD host
-(``qnn_convbwd.tools.reference_kernels``). Before the kernels were pinned, a zoo
+(``qnn_convbwd_dev.reference_kernels``). Before the kernels were pinned, a zoo
 graph built after a lowering had other batch-norm statistics, so another fp32 step
 and another fp16 floor: mobilenet_v3_small's loss floor 1.06e-3 instead of 1.32e-4,
 ``features.12.1.bias`` 0.0519 instead of 0.0172 (docs/zoo.md). No SDK needed: what
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 import torch
-import zoo
 
-from qnn_convbwd.tools import fidelity, models, reference_kernels
-from qnn_convbwd.tools import numerics_models as nm
+from qnn_convbwd_dev import fidelity, models, reference_kernels, zoo
+from qnn_convbwd_dev import numerics_models as nm
 
 
 @contextlib.contextmanager

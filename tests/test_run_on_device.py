@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from qnn_convbwd.tools import device, models
+from qnn_convbwd import device
+from qnn_convbwd_dev import models
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "run_on_device.py"
@@ -338,7 +339,7 @@ def test_execute_reports_the_failing_adb_command(tmp_path):
 @pytest.mark.htp
 def test_build_only_writes_programs_that_match_torch(script, env, capsys, qnn_sdk, monkeypatch):
     from qnn_convbwd.toolchain import harness
-    from qnn_convbwd.tools.models import training_graph
+    from qnn_convbwd_dev.models import training_graph
 
     # The host compile uses the active (x86-64) SDK; --qnn-sdk names the device one.
     monkeypatch.setenv("QNN_SDK_ROOT", str(qnn_sdk.root))

@@ -140,7 +140,7 @@ def _part_of(graph: saver.SaverGraph, tensor: str, values: np.ndarray) -> bool:
 
 def test_joint_graph_transpose_conv_reads_the_forward_weight(qnn_sdk):
     # record() lowers in a child process that enables qnn_convbwd there (default options).
-    from qnn_convbwd.tools.models import training_graph
+    from qnn_convbwd_dev.models import training_graph
 
     joint = training_graph("demo")
     graph = saver.record(joint.program, "SM8650")

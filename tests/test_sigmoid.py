@@ -15,7 +15,7 @@ from tiers import sweep
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd.tools import fidelity
+from qnn_convbwd_dev import fidelity
 
 SIGMOID = "aten.sigmoid.default"
 
@@ -67,7 +67,7 @@ def bias_only_joint(make_net, size: int = 16, seed: int = 0):
     """(model, inputs, joint graph) of ``make_net()`` calibrated, biases trained, MSE."""
     from torch.export.experimental import _export_forward_backward
 
-    from qnn_convbwd.tools import numerics_models as nm
+    from qnn_convbwd_dev import numerics_models as nm
 
     torch.manual_seed(seed)
     net = make_net()

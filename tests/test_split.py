@@ -17,7 +17,7 @@ import qnn_convbwd
 from qnn_convbwd import options, training
 from qnn_convbwd.partition import split
 from qnn_convbwd.toolchain import harness
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 SOC = "SM8650"
 STEPS = 5

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,19 +110,71 @@ def test_the_builders_check_sees_an_upward_import():
     assert "qnn_convbwd.pipeline" in _importers_of("builders", ("pipeline",))
 
 
-def test_the_runtime_never_imports_the_tools():
-    """What a user's lowering imports (everything but ``tools/`` and the CLI that runs
-    them) never imports ``qnn_convbwd.tools``, at module level or inside functions."""
+def _absolute_imports(path: Path) -> set[str]:
+    """Top-level packages ``path`` imports by absolute name, at any depth of the code."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+    return found
+
+
+def test_the_plugin_never_imports_the_developer_tools():
+    """No module of ``qnn_convbwd`` imports ``qnn_convbwd_dev`` (the CLI loads a developer
+    subcommand by name when it runs); the developer package does import the plugin."""
+    importers = [n for n, p in _modules().items() if "qnn_convbwd_dev" in _absolute_imports(p)]
+    assert importers == []
+    dev = PACKAGE.parent / "qnn_convbwd_dev"
+    assert "qnn_convbwd" in _absolute_imports(dev / "cost.py")  # the check sees imports
+
+
+def test_the_runtime_never_imports_the_commands():
+    """What a user's lowering imports (everything but ``commands/`` and the CLI that runs
+    them) never imports ``qnn_convbwd.commands``, at module level or inside functions."""
     runtime = tuple(
         p.removeprefix("qnn_convbwd.")
         for p in _modules()
-        if not p.startswith("qnn_convbwd.tools") and p not in ("qnn_convbwd", "qnn_convbwd.cli")
+        if not p.startswith("qnn_convbwd.commands") and p not in ("qnn_convbwd", "qnn_convbwd.cli")
     )
     assert len(runtime) > 20
-    assert _importers_of("tools", runtime) == {}
-    # Not vacuous: the tools import each other (cost reads models).
-    among_tools = _importers_of("tools", ("tools",))
-    assert "qnn_convbwd.tools.models" in among_tools["qnn_convbwd.tools.cost"]
+    assert _importers_of("commands", runtime) == {}
+    # Not vacuous: the commands import each other (demo reads models).
+    among = _importers_of("commands", ("commands",))
+    assert "qnn_convbwd.commands.models" in among["qnn_convbwd.commands.demo"]
+
+
+LOADED = """
+import sys
+import qnn_convbwd
+import qnn_convbwd.api
+import qnn_convbwd.training
+from qnn_convbwd.training import WithLoss
+assert qnn_convbwd.lower.__module__ == "qnn_convbwd.api"
+print(sorted(m for m in sys.modules if m.startswith("qnn_convbwd")))
+"""
+
+
+def test_the_runtime_loads_no_developer_tool_nor_command():
+    """In a fresh process, the package, its API and its training module load neither the
+    developer package nor a CLI subcommand."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", LOADED], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert "qnn_convbwd.api" in loaded and "qnn_convbwd.training" in loaded
+    moved = {
+        *(f"qnn_convbwd_dev.{p.stem}" for p in (PACKAGE.parent / "qnn_convbwd_dev").glob("*.py")),
+        *(f"qnn_convbwd.commands.{p.stem}" for p in (PACKAGE / "commands").glob("*.py")),
+    }
+    assert len(moved) > 15
+    unwanted = [m for m in loaded if m.startswith(("qnn_convbwd_dev", "qnn_convbwd.commands"))]
+    assert unwanted == [] and not moved & set(loaded)
 
 
 PACKAGE_ALONE = """
@@ -174,7 +228,7 @@ qnn_convbwd.enable()
 specs = harness.compile_specs("SM8650")
 report = qnn_convbwd.{call}(joint, specs)
 assert {check}, report
-print(sorted(m for m in sys.modules if m.startswith("qnn_convbwd.tools")))
+print(sorted(m for m in sys.modules if m.startswith(("qnn_convbwd_dev", "qnn_convbwd.commands"))))
 """
 
 
@@ -192,3 +246,52 @@ def _imported_tools(call: str, check: str) -> str:
 def test_lowering_imports_no_tools(qnn_sdk):
     """``import qnn_convbwd; enable(); lower(...)`` in a fresh process loads no tool."""
     assert _imported_tools("lower", "report.report.delegated == 1") == "[]"
+
+
+WITHOUT_DEV = """
+import sys
+sys.modules["qnn_convbwd_dev"] = None  # as if the developer tools were not installed
+from qnn_convbwd import cli
+code = cli.main([{argv}])
+print("exit", code)
+"""
+
+
+def _cli_without_dev(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    code = WITHOUT_DEV.format(argv=", ".join(repr(a) for a in argv))
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+
+
+@pytest.mark.parametrize("command", ["bench", "fidelity", "cost"])
+def test_a_developer_subcommand_without_the_developer_tools_says_how_to_install(command, tmp_path):
+    proc = _cli_without_dev(tmp_path, command, "--soc", "SM8650")
+    assert proc.stdout.strip() == "exit 2", proc.stderr[-3000:]
+    assert f"qnn-convbwd {command}: needs the developer tools" in proc.stderr
+    assert "pip install -e '.[dev]'" in proc.stderr
+
+
+def test_a_user_subcommand_runs_without_the_developer_tools(tmp_path):
+    proc = _cli_without_dev(tmp_path, "cache", "list", "--dir", str(tmp_path / "cache"))
+    assert proc.stdout.strip().splitlines()[-1] == "exit 0", proc.stderr[-3000:]
+
+
+def test_scripts_import_no_test_module():
+    """The scripts take what they share from ``qnn_convbwd`` and ``qnn_convbwd_dev``:
+    none puts ``tests/`` on ``sys.path`` or imports a module that lives there."""
+    root = PACKAGE.parent
+    in_tests = {p.stem for p in (root / "tests").glob("*.py")}
+    scripts = sorted((root / "scripts").glob("*.py"))
+    assert len(scripts) > 10
+    found = {}
+    for path in scripts:
+        bad = _absolute_imports(path) & in_tests
+        if "sys.path" in path.read_text():
+            bad.add("sys.path")
+        if bad:
+            found[path.name] = bad
+    assert found == {}
+    # Not vacuous: the check sees the scripts' imports and the modules the tests share
+    assert sum("qnn_convbwd_dev" in _absolute_imports(p) for p in scripts) > 5
+    assert {"tiers", "cases", "test_max_pool"} <= in_tests

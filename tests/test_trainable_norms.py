@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zoo
 from torch import nn
 from torch.export.experimental import _export_forward_backward
 
 from qnn_convbwd import api
 from qnn_convbwd.partition import trainable
-from qnn_convbwd.tools import fidelity, models
+from qnn_convbwd_dev import fidelity, models, zoo
 
 
 def _bias_only(norm: nn.Module, size: int = 8) -> models.TrainingGraph:

@@ -14,7 +14,7 @@ import torch
 import qnn_convbwd
 from qnn_convbwd import integration, training
 from qnn_convbwd.toolchain import harness, saver
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 pytestmark = pytest.mark.htp
 

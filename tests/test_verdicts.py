@@ -22,7 +22,7 @@ import qnn_convbwd
 from qnn_convbwd import integration, meta, nodes
 from qnn_convbwd.partition import judge, support, verdict
 from qnn_convbwd.partition.target import Target
-from qnn_convbwd.tools import models
+from qnn_convbwd_dev import models
 
 SOC = "SM8650"
 

@@ -2,7 +2,7 @@
 
 The ratio tests compile the forward convolution alone and together with its
 ``convolution_backward`` and compare QNN context-binary bytes (see
-``qnn_convbwd.tools.weight_bytes``). The numeric tests run the default formulation on
+``qnn_convbwd_dev.weight_bytes``). The numeric tests run the default formulation on
 the x86-64 HTP simulator against ``F.conv2d`` and
 ``torch.ops.aten.convolution_backward``.
 """
@@ -19,7 +19,7 @@ from torch import nn
 from qnn_convbwd import options
 from qnn_convbwd.builders import input_gradient_runtime_weight as rw
 from qnn_convbwd.geometry import conv as geo
-from qnn_convbwd.tools import weight_bytes as wb
+from qnn_convbwd_dev import weight_bytes as wb
 
 # Measured with QAIRT 2.51 (x86-64 simulator), fp16, 256x256x3x3 weight (1,179,648
 # bytes): the backward adds 12,288 context bytes with runtime_weight on V69, V75

@@ -1,6 +1,6 @@
 """torchvision classifiers, bias-only (resnet18) and last-layers (mobilenet_v3_small)
 fine-tuning at 32x32 on SM8650: every tensor of
-the training step within fidelity (``qnn_convbwd.tools.fidelity``: relative L2 at most
+the training step within fidelity (``qnn_convbwd_dev.fidelity``: relative L2 at most
 twice torch's own fp16 step's, plus 1e-3) pooled over 5 inputs, every gradient within
 on the graph's own input, every convolution backward delegated.
 
@@ -12,10 +12,9 @@ batches, the scheme's parameters trained, MSE); docs/zoo.md has the measured tab
 from __future__ import annotations
 
 import pytest
-import zoo
 
 from qnn_convbwd.toolchain import harness
-from qnn_convbwd.tools import fidelity
+from qnn_convbwd_dev import fidelity, zoo
 
 # Inputs the verdict is pooled over (``fidelity.pooled``): on one input, a scalar like
 # the loss is one draw of the HTP's and of torch fp16's rounding. resnet18 bias-only,

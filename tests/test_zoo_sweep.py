@@ -7,7 +7,7 @@ with, run on the HTP simulator on its input and K - 1 fp16 neighbours of it, and
 judged as docs/zoo.md's status table: pooled by rms and by medians
 (``zoo.judges``). A graph passes when each pooling is within the fidelity bound,
 or when every tensor it puts outside has a single gate flip behind it
-(``zoo.causes``: ``tools.kinks`` finds the gate elements torch fp16 can push
+(``zoo.causes``: ``qnn_convbwd_dev.kinks`` finds the gate elements torch fp16 can push
 across a kink and ``kinks.explain`` checks that one of them alone moves the
 tensor's gradient past its limit): the measured cause of mobilenet_v3_small's
 tensors outside at 96 px, the step's own ill-conditioning. A tensor outside with
@@ -32,11 +32,11 @@ from __future__ import annotations
 import itertools
 
 import pytest
-import zoo
 
 import qnn_convbwd
+from qnn_convbwd.commands.train_cli import cpu_ops
 from qnn_convbwd.toolchain import harness
-from qnn_convbwd.tools.train_cli import cpu_ops
+from qnn_convbwd_dev import zoo
 
 pytestmark = pytest.mark.sweep
 

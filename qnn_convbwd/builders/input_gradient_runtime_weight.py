@@ -54,6 +54,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from .. import integration, nodes
 from ..geometry import conv as geo
 from ..nodes import is_conv_bwd as _is_conv_bwd
+from ..partition import judge
 from . import qnn_ops, runtime_tensors, transpose_conv
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,12 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
     2-D and 3-D convolutions and convolution_backward, with at least one convolution and
     one convolution_backward that computes grad_input.
     """
+    return nothing_to_share(visitor, weight_node) or kept_static(visitor, weight_node)
+
+
+def nothing_to_share(visitor, weight_node: torch.fx.Node) -> str | None:
+    """Why the formulation has nothing to do for ``weight_node`` (None: a frozen weight
+    read by a convolution and by a grad_input convolution_backward)."""
     if not isinstance(weight_node, torch.fx.Node):
         return "weight is not a graph value"
     if runtime_tensors.reads_at_run_time(visitor, weight_node):
@@ -101,6 +108,14 @@ def not_applicable(visitor, weight_node: torch.fx.Node) -> str | None:
     forward = [u for u in users if _is_forward_conv(u)]
     if not forward or not any(_reads_weight_values(u) for u in users):
         return "not read by both a convolution and a grad_input convolution_backward here"
+    return None
+
+
+def kept_static(visitor, weight_node: torch.fx.Node) -> str | None:
+    """Why a weight the formulation would share keeps a static tensor per reader instead
+    (None: it becomes one runtime tensor)."""
+    users = list(weight_node.users)
+    forward = [u for u in users if _is_forward_conv(u)]
     others = [u.name for u in users if not (_is_forward_conv(u) or _is_conv_bwd(u))]
     if others:
         return f"also read by {others}"
@@ -201,9 +216,19 @@ def provide_runtime_weight(
     """
     if nodes_to_wrappers[weight_node.name].get(0) is not None:
         return []  # runtime already (another reader came first), or static
-    reason = not_applicable(visitor, weight_node)
+    reason = nothing_to_share(visitor, weight_node)
     if reason is not None:
         logger.debug("%s: static weight kept: %s", weight_node.name, reason)
+        return []
+    reason = kept_static(visitor, weight_node)
+    if reason is not None:
+        reader = next((u for u in weight_node.users if _is_conv_bwd(u)), build_node)
+        judge.record_fallback(
+            reader,
+            f"{NAME}: weight {weight_node.name} stored once, read at run time",
+            "a static weight per reader",
+            reason,
+        )
         return []
 
     weight = integration.get("get_parameter")(weight_node, visitor.edge_program)

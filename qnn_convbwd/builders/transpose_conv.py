@@ -15,6 +15,7 @@ import torch
 from .. import integration
 from ..geometry import conv as geo
 from ..geometry import phases as phase_geometry
+from ..partition import judge
 from . import qnn_ops, transpose_conv_phases, weights
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,8 @@ def build(req: GradInputRequest) -> list:
         declined = phase_geometry.unsupported_reason(conv)
         if declined is None:
             return transpose_conv_phases.build(req, conv, weight)
-        logger.debug("%s: stride=phases falls back to zero_insert: %s", node.name, declined)
+        if any(s != 1 for s in conv.stride):  # stride 1: the two build the same op
+            judge.record_fallback(node, 'stride="phases"', 'stride="zero_insert"', declined)
     ops = list(weight.ops)
 
     def permuted(shape) -> list[int]:

@@ -28,7 +28,7 @@ import contextvars
 import dataclasses
 import logging
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 
@@ -38,7 +38,7 @@ from ..meta import INDICES_CAST, INDICES_ON_HTP, NAME_SEEN, ON_CPU, SHAPE_OF, UN
 from ..nodes import origins
 from . import cpu_kernel, max_pool, support, trainable
 from .target import MIN_HTP_ARCH, Target, below_min_arch
-from .verdict import Decision, Rejection, first_rejection, rules, settle
+from .verdict import Decision, Fallback, Rejection, first_rejection, rules, settle
 
 logger = logging.getLogger(__name__)
 
@@ -418,6 +418,12 @@ def judge(
 _recorded: contextvars.ContextVar[dict[str, Decision] | None] = contextvars.ContextVar(
     "qnn_convbwd_verdicts", default=None
 )
+# The builders' fallbacks of the lowering under way (``recording``), by (node, asked):
+# a node is built while the partitioner validates it and again when it is compiled.
+# Each with the names its node was traced from.
+_fallbacks: contextvars.ContextVar[dict[tuple[str, str], tuple[Fallback, list[str]]] | None] = (
+    contextvars.ContextVar("qnn_convbwd_fallbacks", default=None)
+)
 # True while a node's users are checked on its behalf (their verdicts are not logged twice).
 _nested: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "qnn_convbwd_nested_check", default=False
@@ -430,10 +436,36 @@ def recording() -> Iterator[dict[str, Decision]]:
     one lowering: a new, empty record, which the block's end puts away again."""
     verdicts: dict[str, Decision] = {}
     token = _recorded.set(verdicts)
+    fallbacks_token = _fallbacks.set({})
     try:
         yield verdicts
     finally:
+        _fallbacks.reset(fallbacks_token)
         _recorded.reset(token)
+
+
+def record_fallback(node: torch.fx.Node, asked: str, built: str, reason: str) -> None:
+    """A builder builds ``node`` as ``built`` instead of ``asked`` (the options' choice),
+    for ``reason``: logged once at INFO and kept for the lowering under way's report."""
+    names = origins(node)
+    fallback = Fallback(names[-1], op_name(node), asked, built, reason)
+    kept = _fallbacks.get()
+    if kept is not None and (fallback.node, asked) in kept:
+        return
+    if kept is not None:
+        kept[(fallback.node, asked)] = (fallback, names)
+    logger.info("%s", fallback.message())
+
+
+def recorded_fallbacks(names: Collection[str] = ()) -> list[Fallback]:
+    """The builders' fallbacks in the lowering under way (``recording``), in build order,
+    each node named by the first name it was traced from among ``names`` (the nodes of
+    the program being lowered), else by its earliest one."""
+    found = []
+    for fallback, traced in (_fallbacks.get() or {}).values():
+        named = next((n for n in traced if n in names), fallback.node)
+        found.append(dataclasses.replace(fallback, node=named))
+    return found
 
 
 def recorded(name: str) -> Decision | None:

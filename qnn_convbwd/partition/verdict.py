@@ -65,6 +65,21 @@ class Decision:
         return f"{rejection.reason} ({rejection.values})" if rejection.values else rejection.reason
 
 
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A delegated node a builder built another way than the options asked, and why:
+    the node runs on the HTP, in the formulation ``built`` instead of ``asked``."""
+
+    node: str
+    op: str
+    asked: str  # e.g. 'stride="phases"'
+    built: str  # e.g. 'stride="zero_insert"'
+    reason: str
+
+    def message(self) -> str:
+        return f"{self.op} {self.node}: {self.asked} falls back to {self.built}: {self.reason}"
+
+
 Rule = Callable[..., Rejection | None]
 RuleList = Sequence[tuple[str, Rule]]
 

@@ -32,9 +32,11 @@ with ``"fold_device"`` for every such pair (docs/numerics.md).
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import operator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -50,10 +52,22 @@ from .graph_builder import NodeBuilder
 
 logger = logging.getLogger(__name__)
 
-# Parameter name -> the folded weight stored in its place, for every weight the pass
-# folded in this process (a later fold of the same name replaces it). Tools that
-# find a frozen weight's stored copies by value (``tools.cost.weight_copies``) read it.
-FOLDED_WEIGHTS: dict[str, torch.Tensor] = {}
+# Called with (parameter name, the folded weight stored in its place) for each weight
+# the pass folds, while registered with ``observe_folds``; nothing is kept otherwise.
+_fold_observers: list[Callable[[str, torch.Tensor], None]] = []
+
+
+@contextlib.contextmanager
+def observe_folds(callback: Callable[[str, torch.Tensor], None]) -> Iterator[None]:
+    """Call ``callback(parameter, folded_weight)`` for each weight the pass folds while
+    the block runs: the values the lowering stores in place of that parameter (the Saver
+    recording and ``qnn_convbwd_dev.cost.weight_copies`` find a weight's copies by them)."""
+    _fold_observers.append(callback)
+    try:
+        yield
+    finally:
+        _fold_observers.remove(callback)
+
 
 # Ops the backward's scale of ``g`` is computed with (autograd's batch-norm backward:
 # rsqrt(var + eps) * gamma, unsqueezed to [C, 1, 1] / [1, C, 1, 1]).
@@ -263,7 +277,8 @@ def _fold_one(
     new_weight = build.constant("folded_weight", folded_weight)
     parameter = edge_program.graph_signature.inputs_to_parameters.get(weight.name)
     if parameter is not None:
-        FOLDED_WEIGHTS[parameter] = folded_weight
+        for observer in list(_fold_observers):
+            observer(parameter, folded_weight)
     new_bias = build.constant("folded_bias", folded_bias)
     conv.args = (x, new_weight, new_bias, *conv.args[3:])
     out = conv

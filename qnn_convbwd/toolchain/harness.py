@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .. import logs
+from .. import logs, progress
 from .sdk import ensure_sdk
 
 # SoCs the tests and benchmarks use, with their HTP architecture.
@@ -81,6 +81,7 @@ def delegate_count(edge: Any) -> int:
     return len(integration.get("get_lowered_submodules")(edge.exported_program().graph_module))
 
 
+@progress.long_call("lowering")
 def lower_module(
     module: torch.nn.Module, inputs: tuple, soc: str = "SM8650", *, fp16: bool = True
 ) -> Compiled:
@@ -94,6 +95,7 @@ def lower_module(
     return Compiled(edge, edge.to_executorch().buffer, seconds)
 
 
+@progress.long_call("lowering")
 def lower_program(
     program: torch.export.ExportedProgram,
     soc: str = "SM8650",
@@ -114,6 +116,7 @@ def lower_program(
     return Compiled(result.edge, result.edge.to_executorch().buffer, seconds, result.report)
 
 
+@progress.long_call("running on the HTP simulator")
 def run_pte(pte: bytes, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Execute a program with executorch's runtime (QNN delegates on the HTP simulator)."""
     ensure_sdk()

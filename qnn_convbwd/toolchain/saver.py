@@ -58,6 +58,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import progress
+
 logger = logging.getLogger(__name__)
 
 # What executorch 1.5.1 passes to exit() after the Saver recorded the first partition.
@@ -160,7 +162,7 @@ class SaverGraph:
     ops: list[SaverOp]
     seconds: float | None = None  # wall time of record(), None when parsed directly
     # Parameter name -> the weight stored in its place (its batch norm folded in:
-    # ``passes.conv_batch_norm.FOLDED_WEIGHTS`` of the child's lowering).
+    # what ``passes.conv_batch_norm.observe_folds`` saw in the child's lowering).
     folded_weights: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def ops_of_type(self, op_type: str) -> list[SaverOp]:
@@ -463,6 +465,7 @@ def _node_list(graph: torch.fx.Graph) -> list[list[str]]:
     return [[n.name, n.op, str(n.target)] for n in graph.nodes]
 
 
+@progress.long_call("recording with the Saver backend")
 def record(
     program: torch.export.ExportedProgram,
     soc: str = "SM8650",
@@ -549,14 +552,16 @@ def _child_main(work: Path, soc: str) -> int:
 
     program = _load_program(work)
     qnn_convbwd.enable(**json.loads((work / _OPTIONS_FILE).read_text()))
-    from ..passes.conv_batch_norm import FOLDED_WEIGHTS
+    from ..passes.conv_batch_norm import observe_folds
 
     os.chdir(work)  # executorch writes ./saver_output
+    folded: dict[str, torch.Tensor] = {}  # a later fold of the same name replaces it
     try:
-        qnn_convbwd.lower(program, compile_specs(soc, saver=True))
+        with observe_folds(folded.__setitem__):
+            qnn_convbwd.lower(program, compile_specs(soc, saver=True))
     except SystemExit as stop:
         if SAVER_EXIT_MESSAGE in str(stop.code):
-            torch.save(dict(FOLDED_WEIGHTS), work / _FOLDED_FILE)
+            torch.save(folded, work / _FOLDED_FILE)
             return 0
         raise
     sys.stderr.write(

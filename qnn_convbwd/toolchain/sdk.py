@@ -48,6 +48,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from .. import progress
+
 logger = logging.getLogger(__name__)
 
 HOST_LIB_DIR = Path("lib") / "x86_64-linux-clang"
@@ -416,6 +418,7 @@ def active_sdk() -> SdkInfo | None:
     return _active
 
 
+@progress.long_call("checking in a child process")
 def probe_in_subprocess(code: str, timeout: float = 600.0) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter that calls ensure_sdk() first."""
     prelude = "import qnn_convbwd.toolchain.sdk as s; s.ensure_sdk()\n"

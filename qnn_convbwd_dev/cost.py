@@ -46,9 +46,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from .. import integration, options
-from ..integration import QnnOpInfo, QnnTensorInfo
-from . import models, train_cli
+from qnn_convbwd import integration, options
+from qnn_convbwd.commands import train_cli
+from qnn_convbwd.integration import QnnOpInfo, QnnTensorInfo
+
+from . import models
 
 MAC_OPS = (
     "Conv2d",
@@ -386,15 +388,13 @@ def weight_copies(
     (resnet18's 11 M frozen values do), so a value alone does not name its
     weight, but a copy's values all lie in one weight. ``stored`` gives, by
     parameter name, the values the lowering stores in place of a weight (a weight
-    with its batch norm folded in; default: the recording's ``folded_weights``, else
-    ``passes.conv_batch_norm.FOLDED_WEIGHTS`` of this process's lowerings).
+    with its batch norm folded in; default: the recording's ``folded_weights``, what
+    ``passes.conv_batch_norm.observe_folds`` saw while it was recorded).
     """
     import numpy as np
 
     if stored is None:
-        from ..passes.conv_batch_norm import FOLDED_WEIGHTS
-
-        stored = getattr(graph, "folded_weights", None) or FOLDED_WEIGHTS
+        stored = getattr(graph, "folded_weights", None) or {}
     frozen = [
         (name, stored.get(name, p).detach().to(torch.float32).numpy().ravel())
         for name, p in model.named_parameters()
@@ -519,8 +519,8 @@ def measure_program(
     """Lower the joint graph ``joint`` of ``model`` with ``qnn_convbwd.lower`` and measure it."""
     import time
 
-    from .. import api
-    from ..toolchain import harness
+    from qnn_convbwd import api
+    from qnn_convbwd.toolchain import harness
 
     specs = harness.compile_specs(soc)
     start = time.perf_counter()
@@ -648,7 +648,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .. import api
+    from qnn_convbwd import api
 
     case = models.TRAINING_MODELS[args.model](args.trainable)
     with api.enabled(**({"stride": args.stride} if args.stride else {})):

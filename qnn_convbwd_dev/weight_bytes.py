@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..toolchain import harness
+from qnn_convbwd.toolchain import harness
 
 logger = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def lower(
 ):
     """Compile one program with ``formulation`` and ``Options.stride=stride_mode``:
     (module, inputs, Compiled, seconds)."""
-    from .. import api
+    from qnn_convbwd import api
 
     module, inputs, exported = export(config, program, seed)
     with api.enabled(input_gradient=formulation, stride=stride_mode):
@@ -242,7 +242,7 @@ def measure(
     ``Options.input_gradient`` and ``Options.stride``;
     ``extra_bytes`` and ``ratio`` need "fwd" and "fwd+bwd" among ``programs``.
     """
-    from .. import options
+    from qnn_convbwd import options
 
     unknown = set(programs) - set(PROGRAMS)
     if unknown:

@@ -1,4 +1,4 @@
-"""torchvision's model zoo for tests.
+"""torchvision's model zoo as joint training graphs, for the tests and the scripts.
 
 torchvision is imported with ``qnn_convbwd.torchvision_import.import_torchvision``
 (its C ops do not load on this project's CPU torch; that module says why).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from qnn_convbwd.torchvision_import import (  # noqa: F401  (re-exported for the tests)
+from qnn_convbwd.torchvision_import import (  # noqa: F401  (re-exported)
     TorchvisionUnavailable,
     import_torchvision,
 )
@@ -102,7 +102,7 @@ def calibrated(arch: str, size: int = 32, classes: int = 10, seed: int = 0) -> t
     (``reference_kernels.pinned``): executorch's QNN lowering turns oneDNN off for the
     process on an AMD host, and statistics computed after a lowering were other numbers.
     """
-    from qnn_convbwd.tools import reference_kernels
+    from . import reference_kernels
 
     torchvision = import_torchvision()
     torch.manual_seed(seed)
@@ -130,7 +130,7 @@ def graph(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 1
     """
     from torch.export.experimental import _export_forward_backward
 
-    from qnn_convbwd.tools import models
+    from . import models
 
     model, inputs = step(arch, scheme, size, classes, seed)
     joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
@@ -139,7 +139,7 @@ def graph(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 1
 
 def step(arch: str, scheme: str = "bias_only", size: int = 32, classes: int = 10, seed: int = 0):
     """``graph``'s model (returning the loss) and input, not exported: for eager probes."""
-    from qnn_convbwd.tools import models
+    from . import models
 
     net = calibrated(arch, size, classes, seed)
     train = set(trainable(net, scheme))
@@ -170,7 +170,7 @@ def reports(graph, compiled, count: int = 1, first=None, around: bool = False) -
     """``fidelity.assess_model`` of ``compiled`` on the graph's input and ``count - 1``
     ``more_inputs`` (``first``: the outputs on the graph's input, when already run);
     with ``around``, ``count - 1`` ``fidelity.neighbours`` of the input instead."""
-    from qnn_convbwd.tools import fidelity
+    from . import fidelity
 
     if around:
         inputs = fidelity.neighbours(graph.inputs, count)
@@ -191,7 +191,7 @@ def joint_outputs(graph, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     outputs (ExecuTorch's training runtime reads them from there); checked to be
     the parameters' values, then dropped.
     """
-    from qnn_convbwd.tools import fidelity
+    from . import fidelity
 
     names = fidelity.output_names(graph.program)
     trained = [n for n in names if n != "loss"]
@@ -215,7 +215,8 @@ def gate_matched(graph, soc: str, count: int, first: list[torch.Tensor]) -> list
     bit, or this raises (its gates would then be another computation's).
     """
     from qnn_convbwd.toolchain import harness
-    from qnn_convbwd.tools import fidelity, gate_match
+
+    from . import fidelity, gate_match
 
     gated = gate_match.with_gate_outputs(graph.program, graph.model, graph.inputs)
     compiled = harness.lower_program(gated.program, soc)
@@ -244,7 +245,7 @@ def judges(reports: list, around: bool = False) -> list[tuple[str, object]]:
     ``"medians"`` and ``"the input alone"``; the graph is within when the two
     poolings are (the input alone is one draw of the fp16 noise).
     """
-    from qnn_convbwd.tools import fidelity
+    from . import fidelity
 
     if len(reports) == 1:
         return [("the input", reports[0])]
@@ -263,7 +264,7 @@ def causes(arch: str, scheme: str, size: int, verdicts: list[tuple[str, object]]
     outside: every tensor outside and the single gate flips behind it. All three are
     empty when every verdict is within (nothing is run).
     """
-    from qnn_convbwd.tools import kinks
+    from . import kinks
 
     outside = [(label, report) for label, report in verdicts if not report.within]
     if not outside:
@@ -271,3 +272,19 @@ def causes(arch: str, scheme: str, size: int, verdicts: list[tuple[str, object]]
     model, inputs = step(arch, scheme, size)
     summaries, flips = kinks.find(model, inputs, top=None)
     return summaries, flips, [(label, kinks.explain(report, flips)) for label, report in outside]
+
+
+def parse_options(pairs: list[str]) -> dict[str, object]:
+    """``["a=b", "loss_scale=256.0", "htp_optimization=2"]`` as
+    ``{"a": "b", "loss_scale": 256.0, "htp_optimization": 2}`` (``qnn_convbwd.Options``
+    fields given on a script's command line)."""
+    out: dict[str, object] = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        for parse in (int, float, str):
+            try:
+                out[name] = parse(value)
+                break
+            except ValueError:
+                continue
+    return out

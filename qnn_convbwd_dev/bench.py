@@ -1,6 +1,6 @@
 """``qnn-convbwd bench``: training graphs lowered with and without the plugin.
 
-Every reference graph (``qnn_convbwd.tools.models``) is lowered three ways in one run:
+Every reference graph (``qnn_convbwd_dev.models``) is lowered three ways in one run:
 
 ``plugin``
     ``qnn_convbwd.lower`` (the plugin enabled).
@@ -17,7 +17,7 @@ convolution_backward nodes left on CPU, static tensor bytes in the QNN graph
 (when ``qnn_convbwd.toolchain.saver`` is available), context-binary bytes, AOT
 lowering seconds (median of ``--repeats``), and the program's run on the x86-64
 HTP simulator against eager autograd: the maximum absolute error and the
-fidelity verdict (``tools.fidelity``: per tensor against torch's own fp16 step,
+fidelity verdict (``qnn_convbwd_dev.fidelity``: per tensor against torch's own fp16 step,
 the floor). A lowering or run
 that fails is recorded with its error, never hidden.
 
@@ -227,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
 def _child_main(argv: list[str]) -> int:
     """Child processes of the bench (a crash there must not end the bench).
 
-    ``python -m qnn_convbwd.tools.bench point POINT_JSON OUT_JSON``: one scaling point
+    ``python -m qnn_convbwd_dev.bench point POINT_JSON OUT_JSON``: one scaling point
     (the charts' child is ``bench_charts``).
     """
     logging.basicConfig(level=logging.WARNING)

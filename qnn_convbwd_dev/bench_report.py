@@ -153,8 +153,8 @@ def scaling_growth_line(summary: Sequence[dict]) -> str:
 def environment(soc: str) -> dict:
     import importlib.util
 
-    from .. import integration
-    from ..toolchain import SdkUnavailable, ensure_sdk
+    from qnn_convbwd import integration
+    from qnn_convbwd.toolchain import SdkUnavailable, ensure_sdk
 
     try:
         sdk = ensure_sdk()

@@ -1,5 +1,5 @@
 """The bench's charts, drawn from a bench.json in a child process
-(``python -m qnn_convbwd.tools.bench_charts REPORT_JSON OUT_DIR``): matplotlib's
+(``python -m qnn_convbwd_dev.bench_charts REPORT_JSON OUT_DIR``): matplotlib's
 FreeType extension crashes on import once the QNN system libraries are loaded
 globally into the process, and this module imports neither torch nor executorch."""
 
@@ -118,7 +118,7 @@ def draw_charts(report_path: Path, out: Path) -> list[Path]:
     """
     from .bench_running import child_failure
 
-    cmd = [sys.executable, "-m", "qnn_convbwd.tools.bench_charts", str(report_path), str(out)]
+    cmd = [sys.executable, "-m", "qnn_convbwd_dev.bench_charts", str(report_path), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"drawing the charts failed: {child_failure(proc)}")

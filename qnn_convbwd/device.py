@@ -218,7 +218,7 @@ def check_setup(
 
 def sdk_build_id(sdk: Path) -> str | None:
     """QAIRT build id of the device ``libQnnHtp.so``, None if it carries none."""
-    from ..toolchain.sdk import SdkUnavailable, read_build_id
+    from .toolchain.sdk import SdkUnavailable, read_build_id
 
     try:
         return read_build_id(sdk / "lib" / TARGET / "libQnnHtp.so")
@@ -352,7 +352,7 @@ def build(graph: Any, plan: Plan) -> Built:
     """Write the HTP and CPU-only programs, the raw inputs and ``input_list.txt``."""
     import copy
 
-    from ..toolchain import harness
+    from .toolchain import harness
 
     plan.out.mkdir(parents=True, exist_ok=True)
     compiled = harness.lower_program(copy.deepcopy(graph.program), plan.setup.soc)

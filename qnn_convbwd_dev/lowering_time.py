@@ -32,7 +32,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .. import api, integration
+from qnn_convbwd import api, integration
 
 
 @dataclasses.dataclass

@@ -7,7 +7,7 @@ other side, torch's and the HTP's alike, but not the same elements. Where a few
 elements carry a whole channel's gradient (the squeeze-excitation ``fc1`` of
 MobileNetV3, at 1x1 spatial), those decisions are most of the error, and the
 fidelity bound then compares two draws of which elements flipped
-(``tools.kinks``; docs/zoo.md).
+(``qnn_convbwd_dev.kinks``; docs/zoo.md).
 
 This module takes each side's own decisions out of the comparison:
 
@@ -27,7 +27,7 @@ This module takes each side's own decisions out of the comparison:
   (``fidelity.Row.within``).
 * ``flipped`` counts, per gate call, the elements whose slope differs from fp32's.
 
-Only gate *modules* are matched, as in ``tools.kinks``. Max-pool argmax choices are
+Only gate *modules* are matched, as in ``qnn_convbwd_dev.kinks``. Max-pool argmax choices are
 not matched.
 """
 

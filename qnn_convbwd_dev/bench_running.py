@@ -76,7 +76,7 @@ def child_failure(proc: subprocess.CompletedProcess) -> str:
 
 def _worker_run(pte: bytes, inputs: list[torch.Tensor], log_path: str) -> list[torch.Tensor]:
     """In the simulator worker: run with fd 2 sent to ``log_path`` (the runtime logs there)."""
-    from ..toolchain import harness
+    from qnn_convbwd.toolchain import harness
 
     sys.stderr.flush()
     saved = os.dup(2)
@@ -178,8 +178,9 @@ def measure_graph(
     simulator: Simulator | None = None,
 ) -> GraphResult:
     """Lower one graph in every mode; run each lowered program on ``simulator`` if given."""
-    from .. import api
-    from ..toolchain import harness
+    from qnn_convbwd import api
+    from qnn_convbwd.toolchain import harness
+
     from . import fidelity
     from .models import training_graph
 
@@ -288,7 +289,8 @@ def measure_point(point: dict) -> dict:
     """
     import gc
 
-    from ..toolchain import ensure_sdk, harness
+    from qnn_convbwd.toolchain import ensure_sdk, harness
+
     from .models import training_graph
 
     ensure_sdk()
@@ -335,7 +337,7 @@ def run_point_subprocess(point: dict, timeout: float = 3600.0) -> dict:
         cmd = [
             sys.executable,
             "-m",
-            "qnn_convbwd.tools.bench",
+            "qnn_convbwd_dev.bench",
             "point",
             json.dumps(point),
             str(out),

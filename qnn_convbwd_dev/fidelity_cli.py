@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from .. import options
+from qnn_convbwd import options
 
 GRAPHS = ("bn-bias", "bn-affine", "small-loss", "demo", "mobilenet", "resnet", "linear")
 
@@ -47,8 +47,9 @@ def _graph(name: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .. import api
-    from ..toolchain import harness
+    from qnn_convbwd import api
+    from qnn_convbwd.toolchain import harness
+
     from . import fidelity
 
     model, inputs, program = _graph(args.graph)

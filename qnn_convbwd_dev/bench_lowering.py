@@ -55,7 +55,7 @@ class ModeResult:
     lower_seconds: list[float] = dataclasses.field(default_factory=list)
     lower_process_seconds: list[float] = dataclasses.field(default_factory=list)
     max_abs_error: float | None = None
-    # ``tools.fidelity`` of the run against fp32 autograd and torch's fp16 step (the floor):
+    # ``fidelity`` of the run against fp32 autograd and torch's fp16 step (the floor):
     # tensors outside the bound (0: within), of how many, and the worst by relative L2.
     fidelity_outside: int | None = None
     fidelity_tensors: int | None = None
@@ -183,7 +183,7 @@ def count_conv_bwd(program: torch.export.ExportedProgram) -> int:
 
 def lower_with_plugin(program: torch.export.ExportedProgram, specs: list, skip: set | None) -> Any:
     """EdgeProgramManager from ``qnn_convbwd.lower`` (``skip`` is the skip_node_op_set)."""
-    from .. import api
+    from qnn_convbwd import api
 
     return api.lower(program, specs, skip_node_op_set=skip).edge
 
@@ -204,7 +204,7 @@ def lower_plain(program: torch.export.ExportedProgram, specs: list) -> Any:
     from executorch.backends.qualcomm.utils.utils import qnn_edge_config
     from executorch.exir import to_edge_transform_and_lower
 
-    from .. import api
+    from qnn_convbwd import api
 
     if api.is_enabled():
         raise RuntimeError("lower_plain needs the plugin disabled (qnn_convbwd.disable())")
@@ -280,7 +280,7 @@ def static_bytes(
         return None, "n/a: qnn_convbwd.toolchain.saver not available"
     import inspect
 
-    from ..toolchain import saver
+    from qnn_convbwd.toolchain import saver
 
     kwargs: dict[str, Any] = {}
     if skip:

@@ -223,18 +223,27 @@ def check_internals() -> None:
         )
 
 
+def _listed(path: str, parent: bool = False) -> Any:
+    """The listed internal ``path``, or (``parent``) the class or module holding it."""
+    for module, entry, _ in INTERNALS:
+        if entry != path:
+            continue
+        holder = entry.rpartition(".")[0]
+        try:
+            if not parent:
+                return _resolve(module, entry)
+            return _resolve(module, holder) if holder else importlib.import_module(module)
+        except (ImportError, AttributeError) as err:
+            raise ExecutorchIntegrationError(
+                f"executorch {executorch_version()}: {module}.{entry} is missing ({err}); "
+                f"qnn_convbwd needs executorch {SUPPORTED_EXECUTORCH}"
+            ) from err
+    raise KeyError(f"{path} is not a listed executorch internal")
+
+
 def get(path: str) -> Any:
     """Resolve one listed internal by its attribute path (e.g. ``"OpTransposeConv2d"``)."""
-    for module, entry, _ in INTERNALS:
-        if entry == path:
-            try:
-                return _resolve(module, entry)
-            except (ImportError, AttributeError) as err:
-                raise ExecutorchIntegrationError(
-                    f"executorch {executorch_version()}: {module}.{entry} is missing ({err}); "
-                    f"qnn_convbwd needs executorch {SUPPORTED_EXECUTORCH}"
-                ) from err
-    raise KeyError(f"{path} is not a listed executorch internal")
+    return _listed(path)
 
 
 # ---------------------------------------------------------------------------
@@ -403,17 +412,7 @@ def _skip_node_ids(checker: Any, ids: set) -> Iterator[None]:
 def owner(path: str) -> Any:
     """The class or module holding a listed internal ``path`` (``"Cls.attr"`` -> ``Cls``;
     a module-level ``"name"`` -> its module), resolved as ``get`` resolves it."""
-    for module, entry, _ in INTERNALS:
-        if entry == path:
-            parent = entry.rpartition(".")[0]
-            try:
-                return _resolve(module, parent) if parent else importlib.import_module(module)
-            except (ImportError, AttributeError) as err:
-                raise ExecutorchIntegrationError(
-                    f"executorch {executorch_version()}: {module}.{entry} is missing ({err}); "
-                    f"qnn_convbwd needs executorch {SUPPORTED_EXECUTORCH}"
-                ) from err
-    raise KeyError(f"{path} is not a listed executorch internal")
+    return _listed(path, parent=True)
 
 
 # One function per patch point; ``_apply`` runs them in this order.

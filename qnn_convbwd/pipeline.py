@@ -38,8 +38,9 @@ import dataclasses
 import functools
 from typing import Any
 
+from . import after_partition as after
 from . import context_cache, delegate_io, integration, progress, signature
-from .partition import after, judge
+from .partition import judge
 from .partition.target import Target
 from .passes import canonicalize, layout, preserve_output_dtypes, record_output_dtypes
 from .passes import train_mode as train_mode_pass
@@ -113,6 +114,13 @@ def _is_node_supported(original, checker, node) -> bool:
     return judge.in_partitioner(
         node, context, original, lambda other: checker.is_node_supported(None, other)
     )
+
+
+def _request_htp_optimization(edge_program: Any, partition_tags: dict) -> None:
+    from . import options
+    from .toolchain.sdk import request_htp_optimization
+
+    request_htp_optimization(options.current.htp_optimization)
 
 
 def _before_build(edge_program: Any) -> None:
@@ -320,7 +328,7 @@ def stages() -> tuple[Stage, ...]:
         Stage(
             "after_partition",
             "htp_optimization",
-            after.request_htp_optimization,
+            _request_htp_optimization,
             "the HTP shim told the optimization level before preprocess creates the graphs",
             gate="htp_optimization",
             hook="after_partition",

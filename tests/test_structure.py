@@ -295,3 +295,55 @@ def test_scripts_import_no_test_module():
     # Not vacuous: the check sees the scripts' imports and the modules the tests share
     assert sum("qnn_convbwd_dev" in _absolute_imports(p) for p in scripts) > 5
     assert {"tiers", "cases", "test_max_pool"} <= in_tests
+
+
+# The plugin's layers, lowest first: a module imports only from lower layers (or its
+# own package). Names are the package's top-level modules and subpackages.
+LAYERS = (
+    {
+        "meta",
+        "options",
+        "logs",
+        "progress",
+        "integration",
+        "signature",
+        "delegate_io",
+        "torchvision_import",
+        "fit_plot",
+    },
+    {"geometry", "nodes"},
+    {"partition"},
+    {"passes", "builders"},
+    {"toolchain", "after_partition"},
+    {"context_cache", "device"},
+    {"pipeline"},
+    {"api"},
+    {"training", "qnn_convbwd"},
+    {"finetune"},
+    {"commands", "cli"},
+)
+
+
+# Upward imports with a reason. The simulator harness (compile specs, lowering and
+# running a program for the tests and commands) lowers through api, from inside a
+# function.
+UPWARD = {"qnn_convbwd.toolchain.harness -> qnn_convbwd.api"}
+
+
+def _group(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_every_module_imports_only_from_lower_layers():
+    """partition (the rules) below passes and builders, those below the pipeline that
+    orders them, the pipeline below api, training and the commands on top."""
+    layer = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+    modules = _modules()
+    assert {_group(m) for m in modules} == set(layer), "a new module needs a layer"
+    upward = []
+    for name, path in modules.items():
+        for other in _imports(name, path, modules):
+            if _group(other) != _group(name) and layer[_group(other)] >= layer[_group(name)]:
+                upward.append(f"{name} -> {other}")
+    assert set(upward) == UPWARD, upward

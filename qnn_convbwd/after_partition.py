@@ -10,20 +10,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from .. import integration, options, progress, signature
-from ..meta import INDICES_ON_HTP
-from ..passes import int64_constants
-from . import max_pool, split
+from . import integration, options, progress, signature
+from .meta import INDICES_ON_HTP
+from .partition import max_pool, split
+from .passes import int64_constants
 
 logger = logging.getLogger(__name__)
-
-
-def request_htp_optimization(edge_program: Any, partition_tags: dict) -> None:
-    """Tell the HTP shim the ``htp_optimization`` level before executorch's preprocess
-    creates the QNN graphs."""
-    from ..toolchain.sdk import request_htp_optimization as request
-
-    request(options.current.htp_optimization)
 
 
 def split_large_delegates(edge_program: Any, partition_tags: dict) -> None:

@@ -37,6 +37,7 @@ from .passes.loss_scale import ScaleLoss
 from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
+from .passes.weight_layout import MoveWeightLayouts
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +172,7 @@ def _compile(original, compile_specs, graph_names, op_wrapper_lists, programs):
 
 
 def _hooks() -> integration.Hooks:
-    from .builders import op_max_pool_backward, op_max_pool_with_indices
+    from .builders import op_max_pool_backward, op_max_pool_with_indices, weight_views
     from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
 
@@ -199,7 +200,7 @@ def _hooks() -> integration.Hooks:
         PairedScalars,
         ScaleLoss,
     )
-    hooks.late_transform_passes = (MergeConstantReads,)
+    hooks.late_transform_passes = (MergeConstantReads, MoveWeightLayouts)
     hooks.layout_edge_condition = layout.is_edge_condition
     hooks.layout_mark = layout.mark_as_transformed
     hooks.record_output_dtypes = record_output_dtypes
@@ -208,6 +209,7 @@ def _hooks() -> integration.Hooks:
     hooks.visitor_wraps = (
         (op_max_pool_with_indices.TARGET, op_max_pool_with_indices.define_max_pool),
         (op_max_pool_with_indices.CAST_TARGET, op_max_pool_with_indices.define_indices_cast),
+        (weight_views.TARGET, weight_views.define_permute),
     )
     hooks.pre_decomposition = _pre_decomposition
     hooks.training_metadata = signature.runtime_training_metadata

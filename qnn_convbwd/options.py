@@ -88,6 +88,17 @@ HARDSWISH_MODES = ("centred", "executorch")
 #   "keep"       as the graph has it.
 SCALAR_CONSTANT_MODES = ("paired", "keep")
 
+# The layout in which a trainable convolution weight enters a delegate and its
+# gradient leaves it (passes/weight_layout.py):
+#   "torch"     torch's OIHW, permuted inside the delegate;
+#   "hwio"      the QNN filter layout [*k, I, O]: the parameter is permuted on CPU
+#               before the delegate and grad_weight back to torch's layout after it
+#               (exact, CPU permutes of the weights);
+#   "pointwise" "hwio" for 1x1 (1x1x1) kernels, "torch" for the others.
+# Measured with QAIRT 2.51 (docs/lowering_time.md): a training step of one 512x512
+# 1x1 convolution finalises in ~2 s with "hwio" against ~19 s with "torch"; for a
+# 3x3 kernel "hwio" took twice as long as "torch".
+WEIGHT_LAYOUTS = ("torch", "hwio", "pointwise")
 
 # QAIRT's graph finalize optimization level for the HTP graphs compiled (the HTP
 # shim replaces executorch's hard-coded 3, htp_shim.c): a lower level finalises a
@@ -111,6 +122,7 @@ class Options:
     mul_over_add: str = "distribute"
     hardswish: str = "centred"
     scalar_constants: str = "paired"
+    weight_layout: str = "torch"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
     # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
     # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
@@ -145,6 +157,7 @@ class Options:
             ("mul_over_add", MUL_OVER_ADD_MODES),
             ("hardswish", HARDSWISH_MODES),
             ("scalar_constants", SCALAR_CONSTANT_MODES),
+            ("weight_layout", WEIGHT_LAYOUTS),
         ):
             value = getattr(self, field)
             if value not in choices:

@@ -10,14 +10,22 @@ the program and the QNN ops of the delegates by type.
 
 ``micro`` mode: one convolution with a trainable weight, ``CxCxK`` at a square
 input size, lowered as the forward alone with the weight frozen, the forward
-alone with the weight a run-time input, and the training step (grad_input and
-grad_weight); plus the weight permutation alone (a graph input permuted from
-OIHW to HWIO, and the same as the collapsed Transpose ``qnn_ops.weight_transpose``
-emits) and, as the control, the weight only scaled, taken as an OIHW input and as an
-``[O, I*k*k]`` one, to isolate what QNN's finalisation costs for each.
+alone with the weight a run-time input, and the training step (the input is
+not trained: forward and grad_weight) once per ``--weight-layouts`` entry
+(``Options.weight_layout``: the weight entering the delegate and its gradient
+leaving it as OIHW or as HWIO); plus the weight permutation alone (a graph
+input permuted from OIHW to HWIO, and the same as the collapsed Transpose
+``qnn_ops.weight_transpose`` emits) and, as the control, the weight only
+scaled, taken as an OIHW input, as an HWIO one and as ``[O, I*k*k]`` and
+``[k*k*I, O]`` ones, to isolate what QNN's finalisation costs for each.
+
+``--weight-layout`` sets ``Options.weight_layout`` for the ``model`` mode. The
+compiled-context cache is off: every row compiles.
 
     PYTHONPATH=. python scripts/lowering_time.py model resnet18 last_layers --soc SM8650
     PYTHONPATH=. python scripts/lowering_time.py micro 512x512x1 512x512x3 --sizes 4 8
+    PYTHONPATH=. python scripts/lowering_time.py micro 512x512x3 --sizes 4 --steps-only \
+        --weight-layouts torch hwio
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from qnn_convbwd import options  # noqa: E402
 from qnn_convbwd.geometry import conv as geo  # noqa: E402
 from qnn_convbwd.geometry import permutation  # noqa: E402
 from qnn_convbwd.toolchain import harness  # noqa: E402
@@ -151,33 +160,47 @@ class Scale(torch.nn.Module):
         return weight * 2.0
 
 
-def micro_rows(configs: list[str], sizes: list[int], soc: str) -> list[dict]:
+def micro_rows(
+    configs: list[str], sizes: list[int], soc: str, layouts: list[str], steps_only: bool
+) -> list[dict]:
     from torch.export.experimental import _export_forward_backward
 
     rows = []
     for config in configs:
         cin, cout, k = (int(v) for v in config.split("x"))
         weight = torch.randn(cout, cin, k, k)
-        for name, collapsed in (("4-D", False), ("collapsed", True)):
-            program = torch.export.export(Permute(weight.shape, collapsed), (weight,), strict=True)
-            rows.append(row(f"{config} weight permutation, {name}", program, soc))
-        for name, value in (("OIHW", weight), ("[O, I*k*k]", weight.reshape(cout, -1))):
-            program = torch.export.export(Scale(), (value,), strict=True)
-            rows.append(row(f"{config} no permutation, {name} input", program, soc))
+        hwio = weight.permute(geo.OIHW_TO_HWIO).contiguous()
+        if not steps_only:
+            for name, collapsed in (("4-D", False), ("collapsed", True)):
+                program = torch.export.export(
+                    Permute(weight.shape, collapsed), (weight,), strict=True
+                )
+                rows.append(row(f"{config} weight permutation, {name}", program, soc))
+            for name, value in (
+                ("OIHW", weight),
+                ("HWIO", hwio),
+                ("[O, I*k*k]", weight.reshape(cout, -1)),
+                ("[k*k*I, O]", hwio.reshape(-1, cout)),
+            ):
+                program = torch.export.export(Scale(), (value,), strict=True)
+                rows.append(row(f"{config} no permutation, {name} input", program, soc))
         for size in sizes:
             torch.manual_seed(0)
             conv = Conv(cin, cout, k)
             x = torch.randn(1, cin, size, size)
-            conv.requires_grad_(False)
-            frozen = torch.export.export(conv, (x,), strict=True)
-            rows.append(row(f"{config} @{size} forward, frozen weight", frozen, soc))
-            runtime = torch.export.export(RuntimeWeightConv(k), (x, weight), strict=True)
-            rows.append(row(f"{config} @{size} forward, run-time weight", runtime, soc))
+            if not steps_only:
+                conv.requires_grad_(False)
+                frozen = torch.export.export(conv, (x,), strict=True)
+                rows.append(row(f"{config} @{size} forward, frozen weight", frozen, soc))
+                runtime = torch.export.export(RuntimeWeightConv(k), (x, weight), strict=True)
+                rows.append(row(f"{config} @{size} forward, run-time weight", runtime, soc))
             conv.requires_grad_(True)
             step = ConvStep(conv)
             target = torch.randn(1, cout, size, size)
             joint = _export_forward_backward(torch.export.export(step, (x, target), strict=True))
-            rows.append(row(f"{config} @{size} training step", joint, soc))
+            for layout in layouts:
+                options.update(weight_layout=layout)
+                rows.append(row(f"{config} @{size} training step, weight {layout}", joint, soc))
     return rows
 
 
@@ -194,11 +217,19 @@ def main(argv: list[str] | None = None) -> int:
     micro = sub.add_parser("micro", help="single trainable convolutions")
     micro.add_argument("configs", nargs="+", help="CinxCoutxK, e.g. 512x512x1")
     micro.add_argument("--sizes", type=int, nargs="+", default=[4, 8])
+    micro.add_argument(
+        "--weight-layouts", nargs="+", choices=options.WEIGHT_LAYOUTS, default=["torch"]
+    )
+    micro.add_argument("--steps-only", action="store_true", help="only the training steps")
+    model.add_argument("--weight-layout", choices=options.WEIGHT_LAYOUTS, default="torch")
     for p in (model, micro):
         p.add_argument("--soc", default="SM8650")
         p.add_argument("--json", type=Path, help="append the rows to this file, one per line")
     args = parser.parse_args(argv)
 
+    options.update(context_cache=False)
+    if args.mode == "model":
+        options.update(weight_layout=args.weight_layout)
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, soc {args.soc}")
     print(HEADER)
@@ -206,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         which = [args.only] if args.only else ["inference", "training"]
         rows = model_rows(args.arch, args.scheme, args.soc, args.size, which)
     else:
-        rows = micro_rows(args.configs, args.sizes, args.soc)
+        rows = micro_rows(args.configs, args.sizes, args.soc, args.weight_layouts, args.steps_only)
     load = os.getloadavg()
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     if args.json:

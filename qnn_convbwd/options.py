@@ -90,15 +90,15 @@ SCALAR_CONSTANT_MODES = ("paired", "keep")
 
 # The layout in which a trainable convolution weight enters a delegate and its
 # gradient leaves it (passes/weight_layout.py):
-#   "torch"     torch's OIHW, permuted inside the delegate;
-#   "hwio"      the QNN filter layout [*k, I, O]: the parameter is permuted on CPU
-#               before the delegate and grad_weight back to torch's layout after it
-#               (exact, CPU permutes of the weights);
-#   "pointwise" "hwio" for 1x1 (1x1x1) kernels, "torch" for the others.
-# Measured with QAIRT 2.51 (docs/lowering_time.md): a training step of one 512x512
-# 1x1 convolution finalises in ~2 s with "hwio" against ~19 s with "torch"; for a
-# 3x3 kernel "hwio" took twice as long as "torch".
-WEIGHT_LAYOUTS = ("torch", "hwio", "pointwise")
+#   "torch" torch's OIHW, permuted inside the delegate;
+#   "hwio"  the QNN filter layout [*k, I, O]: the parameter is permuted on CPU before
+#           the delegate and grad_weight back to torch's layout after it (exact; the
+#           program's parameters and gradients keep torch's layout).
+# QAIRT finalises a graph with a run-time [O, I, kH, kW] tensor slowly (its last dim
+# is small): measured with QAIRT 2.51 (docs/lowering_time.md), a training step of
+# one 512x512 3x3 convolution finalised in 1.0 s with "hwio" against 27 s with
+# "torch" (1x1: 0-0.8 s against 19 s).
+WEIGHT_LAYOUTS = ("torch", "hwio")
 
 # QAIRT's graph finalize optimization level for the HTP graphs compiled (the HTP
 # shim replaces executorch's hard-coded 3, htp_shim.c): a lower level finalises a

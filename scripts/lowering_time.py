@@ -19,8 +19,9 @@ input permuted from OIHW to HWIO, and the same as the collapsed Transpose
 scaled, taken as an OIHW input, as an HWIO one and as ``[O, I*k*k]`` and
 ``[k*k*I, O]`` ones, to isolate what QNN's finalisation costs for each.
 
-``--weight-layout`` sets ``Options.weight_layout`` for the ``model`` mode. The
-compiled-context cache is off: every row compiles.
+``--weight-layout`` sets ``Options.weight_layout`` for the ``model`` mode;
+``--steps N`` then times N training steps of the lowered program on the
+simulator. The compiled-context cache is off: every row compiles.
 
     PYTHONPATH=. python scripts/lowering_time.py model resnet18 last_layers --soc SM8650
     PYTHONPATH=. python scripts/lowering_time.py micro 512x512x1 512x512x3 --sizes 4 8
@@ -52,9 +53,20 @@ def _counts(counter: Counter, top: int = 12) -> str:
     return ", ".join(f"{k} {v}" for k, v in counter.most_common(top))
 
 
-def row(label: str, program: torch.export.ExportedProgram, soc: str) -> dict:
-    """Lower ``program`` once; print and return its phase times and op counts."""
-    timing, _ = lowering_time.measure(program, harness.compile_specs(soc))
+def row(
+    label: str,
+    program: torch.export.ExportedProgram,
+    soc: str,
+    lowered: list | None = None,
+    weight_layout: str = "torch",
+) -> dict:
+    """Lower ``program`` once, the context cache off; print and return its phase times
+    and op counts (and append the ``LoweringResult`` to ``lowered`` when given)."""
+    timing, lowering = lowering_time.measure(
+        program, harness.compile_specs(soc), context_cache=False, weight_layout=weight_layout
+    )
+    if lowered is not None:
+        lowered.append(lowering)
     aten = lowering_time.aten_ops(program)
     qnn = timing.qnn_ops()
     result = {
@@ -91,7 +103,37 @@ HEADER = (
 )
 
 
-def model_rows(arch: str, scheme: str, soc: str, size: int, which: list[str]) -> list[dict]:
+def step_times(lowered, graph, steps: int, weight_layout: str) -> list[float]:
+    """Seconds of each of ``steps`` SGD steps of the lowered joint program on the
+    simulator (``training.TrainingSession``; the first includes loading its delegates)."""
+    import time
+
+    from qnn_convbwd import api, training
+
+    # A program that mutates buffers is emitted inside enabled() (training metadata).
+    with api.enabled(weight_layout=weight_layout):
+        pte = lowered.edge.to_executorch().buffer
+    session = training.TrainingSession(pte, 0.01)
+    seconds = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            session.step(list(graph.inputs))
+            seconds.append(time.perf_counter() - start)
+    finally:
+        session.close()
+    return seconds
+
+
+def model_rows(
+    arch: str,
+    scheme: str,
+    soc: str,
+    size: int,
+    which: list[str],
+    steps: int = 0,
+    weight_layout: str = "torch",
+) -> list[dict]:
     import zoo
 
     rows = []
@@ -101,7 +143,13 @@ def model_rows(arch: str, scheme: str, soc: str, size: int, which: list[str]) ->
         rows.append(row(f"{arch} {size}px inference", program, soc))
     if "training" in which:
         graph = zoo.graph(arch, scheme, size)
-        rows.append(row(f"{arch} {size}px {scheme}", graph.program, soc))
+        lowered: list = []
+        label = f"{arch} {size}px {scheme}, weight {weight_layout}"
+        rows.append(row(label, graph.program, soc, lowered, weight_layout))
+        if steps:
+            seconds = step_times(lowered[0], graph, steps, weight_layout)
+            rows[-1]["step_s"] = seconds
+            print("    simulator step s: " + ", ".join(f"{s:.1f}" for s in seconds), flush=True)
     return rows
 
 
@@ -199,8 +247,8 @@ def micro_rows(
             target = torch.randn(1, cout, size, size)
             joint = _export_forward_backward(torch.export.export(step, (x, target), strict=True))
             for layout in layouts:
-                options.update(weight_layout=layout)
-                rows.append(row(f"{config} @{size} training step, weight {layout}", joint, soc))
+                label = f"{config} @{size} training step, weight {layout}"
+                rows.append(row(label, joint, soc, weight_layout=layout))
     return rows
 
 
@@ -222,20 +270,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     micro.add_argument("--steps-only", action="store_true", help="only the training steps")
     model.add_argument("--weight-layout", choices=options.WEIGHT_LAYOUTS, default="torch")
+    model.add_argument(
+        "--steps", type=int, default=0, help="then time this many training steps on the simulator"
+    )
     for p in (model, micro):
         p.add_argument("--soc", default="SM8650")
         p.add_argument("--json", type=Path, help="append the rows to this file, one per line")
     args = parser.parse_args(argv)
 
-    options.update(context_cache=False)
-    if args.mode == "model":
-        options.update(weight_layout=args.weight_layout)
     load = os.getloadavg()
     print(f"load average at start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, soc {args.soc}")
     print(HEADER)
     if args.mode == "model":
         which = [args.only] if args.only else ["inference", "training"]
-        rows = model_rows(args.arch, args.scheme, args.soc, args.size, which)
+        rows = model_rows(
+            args.arch, args.scheme, args.soc, args.size, which, args.steps, args.weight_layout
+        )
     else:
         rows = micro_rows(args.configs, args.sizes, args.soc, args.weight_layouts, args.steps_only)
     load = os.getloadavg()

@@ -21,7 +21,7 @@ from qnn_convbwd.tools import models
 pytestmark = pytest.mark.htp
 
 SOC = "SM8650"
-LAYOUTS = ("torch", "hwio", "pointwise")
+LAYOUTS = ("torch", "hwio")
 
 
 def _lower(case: models.TrainingCase, layout: str):
@@ -37,12 +37,12 @@ def demo(qnn_sdk):
     return case, {layout: _lower(case, layout) for layout in LAYOUTS}
 
 
-def _conv_weights(case: models.TrainingCase, pointwise: bool = False) -> dict[str, torch.Tensor]:
-    """Placeholder name -> trained 4-D weight (``pointwise``: of a 1x1 kernel)."""
+def _conv_weights(case: models.TrainingCase) -> dict[str, torch.Tensor]:
+    """Placeholder name -> trained 4-D weight."""
     return {
         "p_" + name.replace(".", "_"): p
         for name, p in case.model.named_parameters()
-        if p.requires_grad and p.dim() == 4 and (not pointwise or p.shape[2:] == (1, 1))
+        if p.requires_grad and p.dim() == 4
     }
 
 
@@ -78,27 +78,16 @@ def test_weights_enter_and_gradients_leave_in_the_filter_layout(demo):
     assert {tuple(w.shape) for w in weights.values()} <= torch_dims
 
 
-def test_pointwise_moves_only_1x1_kernels(demo):
-    case, lowered = demo
-    result, graphs, _ = lowered["pointwise"]
-    pointwise = _conv_weights(case, pointwise=True)
-    assert pointwise and len(pointwise) < len(_conv_weights(case))
-    for key in (WEIGHT_TO_DEVICE, GRAD_TO_TORCH):
-        assert _moved(result, key) == sorted(pointwise), key
-    assert not _moved(lowered["torch"][0], WEIGHT_TO_DEVICE)
-
-
 def test_the_program_computes_what_the_torch_layout_computes(demo):
     case, lowered = demo
     runs = {
         layout: harness.run_pte(pte, list(case.inputs)) for layout, (_, _, pte) in lowered.items()
     }
-    for layout in ("hwio", "pointwise"):
-        assert len(runs[layout]) == len(runs["torch"])
-        for ours, theirs in zip(runs[layout], runs["torch"]):
-            assert ours.shape == theirs.shape
-            # the same fp16 arithmetic; the permutes move elements exactly
-            torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    assert len(runs["hwio"]) == len(runs["torch"])
+    for ours, theirs in zip(runs["hwio"], runs["torch"]):
+        assert ours.shape == theirs.shape
+        # the same fp16 arithmetic; the permutes move elements exactly
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 def test_training_keeps_torch_parameter_shapes(demo):

@@ -94,13 +94,8 @@ def _weight_gradients(graph: torch.fx.Graph, edge_program) -> dict[str, torch.fx
     return found
 
 
-def move_weight_layouts(
-    graph_module: torch.fx.GraphModule, edge_program, pointwise_only: bool = False
-) -> int:
-    """Rewrite in place; return how many weights now enter the delegate as ``HWIO``.
-
-    ``pointwise_only``: only the weights of 1x1 (1x1x1) kernels.
-    """
+def move_weight_layouts(graph_module: torch.fx.GraphModule, edge_program) -> int:
+    """Rewrite in place; return how many weights now enter the delegate as ``HWIO``."""
     graph = graph_module.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
     gradients = _weight_gradients(graph, edge_program)
@@ -110,8 +105,6 @@ def move_weight_layouts(
             continue
         value = weight.meta.get("val")
         if value is None or value.dim() not in (4, 5) or not _read_as_weight_only(weight):
-            continue
-        if pointwise_only and any(k != 1 for k in value.shape[2:]):
             continue
         to_filter = geo.oihw_to_hwio(value.dim() - 2)
         readers = sorted(weight.users, key=order.__getitem__)
@@ -137,14 +130,10 @@ def move_weight_layouts(
 
 
 class MoveWeightLayouts(OptionGatedPass):
-    """to_edge transform pass running ``move_weight_layouts`` as ``Options.weight_layout``
-    says ("pointwise": 1x1 kernels only, "hwio": every kernel, "torch": none)."""
+    """to_edge transform pass running ``move_weight_layouts`` when ``weight_layout == "hwio"``."""
 
     def enabled(self, options) -> bool:
-        return options.weight_layout != "torch" and self.edge_program is not None
+        return options.weight_layout == "hwio" and self.edge_program is not None
 
     def rewrite(self, graph_module: torch.fx.GraphModule) -> int:
-        from .. import options
-
-        pointwise = options.current.weight_layout == "pointwise"
-        return move_weight_layouts(graph_module, self.edge_program, pointwise_only=pointwise)
+        return move_weight_layouts(graph_module, self.edge_program)

@@ -33,7 +33,8 @@ def _permute():
 
 
 def folded_weight_view(node: object) -> bool:
-    """A ``WEIGHT_VIEW`` of a delegate input, read only as convolution weights.
+    """A ``WEIGHT_VIEW`` of a delegate input, read only as convolution weights (not
+    also a delegate output: a reader on CPU needs torch's layout).
 
     In the top-level program (the partitioner validating ops) its source is the
     CPU permute, not an input: there it is built, as the validation needs an op.
@@ -41,6 +42,7 @@ def folded_weight_view(node: object) -> bool:
     return (
         _is_view(node, WEIGHT_VIEW)
         and node.args[0].op == "placeholder"
+        and all(user.op != "output" for user in node.users)
         and nodes.filter_operand_uses(node)
     )
 

@@ -13,7 +13,7 @@ weight of non-transposed convolutions and convolution_backwards::
 into::
 
     w -> permute OIHW->HWIO (CPU, WEIGHT_TO_DEVICE)
-      -> permute HWIO->OIHW (WEIGHT_VIEW) -> conv / convolution_backward
+      -> permute HWIO->OIHW (WEIGHT_VIEW, one per reader) -> conv / convolution_backward
          -> getitem 1 -> permute OIHW->HWIO (GRAD_VIEW)
       -> permute HWIO->OIHW (CPU, GRAD_TO_TORCH) -> the gradient's readers
 
@@ -110,8 +110,10 @@ def move_weight_layouts(graph_module: torch.fx.GraphModule, edge_program) -> int
         readers = sorted(weight.users, key=order.__getitem__)
         with graph.inserting_before(readers[0]):
             to_device = _permute(graph, weight, to_filter, WEIGHT_TO_DEVICE, weight.name)
-            view = _permute(graph, to_device, inverse(to_filter), WEIGHT_VIEW, weight.name)
         for reader in readers:
+            # One view per reader: readers in different delegates each get the HWIO input.
+            with graph.inserting_before(reader):
+                view = _permute(graph, to_device, inverse(to_filter), WEIGHT_VIEW, weight.name)
             reader.replace_input_with(weight, view)
         item = gradients.get(weight.name)
         if item is not None:

@@ -50,6 +50,18 @@ INDICES_ON_HTP = "qnn_convbwd_pool_indices_on_htp"
 # and a backward: delegated with the forward, where it is an identity.
 INDICES_CAST = "qnn_convbwd_pool_indices_cast"
 
+# passes/weight_layout.py (``Options.weight_layout``). A trainable convolution weight
+# enters the delegate in the QNN filter layout and its gradient leaves in it: on CPU
+# a permute of the parameter to that layout (WEIGHT_TO_DEVICE) and of the delegate's
+# gradient back to torch's (GRAD_TO_TORCH); in the delegate the permute back to
+# torch's layout that the convolutions read (WEIGHT_VIEW) and the permute of their
+# grad_weight to the filter layout (GRAD_VIEW), which the visitors fold into their
+# own ops. Each value is the weight parameter's name.
+WEIGHT_TO_DEVICE = "qnn_convbwd_weight_to_device"
+WEIGHT_VIEW = "qnn_convbwd_weight_view"
+GRAD_VIEW = "qnn_convbwd_grad_view"
+GRAD_TO_TORCH = "qnn_convbwd_grad_to_torch"
+
 ALL = (
     NAME_SEEN,
     PINNED,
@@ -60,4 +72,8 @@ ALL = (
     TUPLE_DTYPES,
     INDICES_ON_HTP,
     INDICES_CAST,
+    WEIGHT_TO_DEVICE,
+    WEIGHT_VIEW,
+    GRAD_VIEW,
+    GRAD_TO_TORCH,
 )

@@ -9,7 +9,7 @@ import torch
 from . import integration
 
 # Operand positions (aten.convolution and aten.convolution_backward schemas).
-CONV_WEIGHT, CONV_BIAS = 1, 2
+CONV_WEIGHT, CONV_BIAS, CONV_TRANSPOSED = 1, 2, 6
 CONV_BWD_WEIGHT = 2
 
 

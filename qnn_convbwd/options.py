@@ -88,6 +88,17 @@ HARDSWISH_MODES = ("centred", "executorch")
 #   "keep"       as the graph has it.
 SCALAR_CONSTANT_MODES = ("paired", "keep")
 
+# The layout in which a trainable convolution weight enters a delegate and its
+# gradient leaves it (passes/weight_layout.py):
+#   "torch" torch's OIHW, permuted inside the delegate;
+#   "hwio"  the QNN filter layout [*k, I, O]: the parameter is permuted on CPU before
+#           the delegate and grad_weight back to torch's layout after it (exact; the
+#           program's parameters and gradients keep torch's layout).
+# QAIRT finalises a graph with a run-time [O, I, kH, kW] tensor slowly (its last dim
+# is small): measured with QAIRT 2.51 (docs/lowering_time.md), a training step of
+# one 512x512 3x3 convolution finalised in 1.0 s with "hwio" against 27 s with
+# "torch" (1x1: 0-0.8 s against 19 s).
+WEIGHT_LAYOUTS = ("torch", "hwio")
 
 # QAIRT's graph finalize optimization level for the HTP graphs compiled (the HTP
 # shim replaces executorch's hard-coded 3, htp_shim.c): a lower level finalises a
@@ -111,6 +122,7 @@ class Options:
     mul_over_add: str = "distribute"
     hardswish: str = "centred"
     scalar_constants: str = "paired"
+    weight_layout: str = "torch"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
     # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
     # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
@@ -145,6 +157,7 @@ class Options:
             ("mul_over_add", MUL_OVER_ADD_MODES),
             ("hardswish", HARDSWISH_MODES),
             ("scalar_constants", SCALAR_CONSTANT_MODES),
+            ("weight_layout", WEIGHT_LAYOUTS),
         ):
             value = getattr(self, field)
             if value not in choices:

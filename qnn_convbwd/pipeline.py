@@ -52,6 +52,7 @@ from .passes.loss_scale import ScaleLoss
 from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
+from .passes.weight_layout import MoveWeightLayouts
 
 POINTS = (
     "aten",
@@ -150,7 +151,7 @@ def _bind_outputs(edge_program: Any, wrappers: list) -> list:
 @functools.cache
 def stages() -> tuple[Stage, ...]:
     """Every stage, in the order it runs (builders are imported on first use)."""
-    from .builders import op_max_pool_backward, op_max_pool_with_indices
+    from .builders import op_max_pool_backward, op_max_pool_with_indices, weight_views
     from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
 
@@ -304,6 +305,16 @@ def stages() -> tuple[Stage, ...]:
             hook="late_transform_passes",
         ),
         Stage(
+            "late",
+            "move_weight_layouts",
+            MoveWeightLayouts,
+            "trainable convolution weights enter the delegate as HWIO and grad_weight "
+            "leaves as HWIO, permuted on CPU (QAIRT finalises run-time OIHW weights "
+            "slowly); after canonicalize, whose permute folding would undo the pairs",
+            gate="weight_layout",
+            hook="late_transform_passes",
+        ),
+        Stage(
             "partition",
             "rules_per_checker",
             _on_support_init,
@@ -454,6 +465,15 @@ def stages() -> tuple[Stage, ...]:
         ),
         Stage(
             "build",
+            "weight_views",
+            ((weight_views.TARGET, weight_views.define_permute),),
+            "executorch's permute visitor, wrapped: the permutes around a trainable "
+            "weight in the HWIO layout folded into the convolutions that read it",
+            gate="weight_layout",
+            hook="visitor_wraps",
+        ),
+        Stage(
+            "build",
             "progress",
             _before_build,
             "the progress display enters a delegate's build",
@@ -493,6 +513,8 @@ def at(point: str) -> tuple[Stage, ...]:
 
 # Hooks fields that take every stage naming them, in order.
 _LISTS = ("transform_passes", "late_transform_passes", "after_partition")
+# Hooks fields that take the entries of every stage naming them, in order.
+_CONCATENATED = ("visitor_wraps",)
 
 
 def _after_partition(steps: tuple) -> Any:
@@ -514,12 +536,16 @@ def hooks() -> integration.Hooks:
         if stage.hook in _LISTS:
             listed.setdefault(stage.hook, []).append(stage.run)
             continue
+        if stage.hook in _CONCATENATED:
+            listed.setdefault(stage.hook, []).extend(stage.run)
+            continue
         if stage.hook in single:
             raise ValueError(f"pipeline: two stages fill Hooks.{stage.hook}")
         single.add(stage.hook)
         setattr(filled, stage.hook, stage.run)
     filled.transform_passes = tuple(listed.get("transform_passes", ()))
     filled.late_transform_passes = tuple(listed.get("late_transform_passes", ()))
+    filled.visitor_wraps = tuple(listed.get("visitor_wraps", ()))
     filled.after_partition = _after_partition(tuple(listed.get("after_partition", ())))
     return filled
 

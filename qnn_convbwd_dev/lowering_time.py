@@ -158,9 +158,12 @@ def timed() -> Iterator[Timing]:
         api._qualcomm_passes = originals["passes"]
 
 
-def measure(program: torch.export.ExportedProgram, compiler_specs: list) -> tuple[Timing, object]:
-    """``(Timing, LoweringResult)`` of one ``qnn_convbwd.lower()`` of ``program``."""
-    with api.enabled(), timed() as timing:
+def measure(
+    program: torch.export.ExportedProgram, compiler_specs: list, **overrides: object
+) -> tuple[Timing, object]:
+    """``(Timing, LoweringResult)`` of one ``qnn_convbwd.lower()`` of ``program``, with
+    the options ``overrides`` (``qnn_convbwd.enabled(**overrides)``)."""
+    with api.enabled(**overrides), timed() as timing:
         start = time.perf_counter()
         result = api.lower(program, compiler_specs)
         timing.total_s = time.perf_counter() - start

@@ -10,14 +10,23 @@ the program and the QNN ops of the delegates by type.
 
 ``micro`` mode: one convolution with a trainable weight, ``CxCxK`` at a square
 input size, lowered as the forward alone with the weight frozen, the forward
-alone with the weight a run-time input, and the training step (grad_input and
-grad_weight); plus the weight permutation alone (a graph input permuted from
-OIHW to HWIO, and the same as the collapsed Transpose ``qnn_ops.weight_transpose``
-emits) and, as the control, the weight only scaled, taken as an OIHW input and as an
-``[O, I*k*k]`` one, to isolate what QNN's finalisation costs for each.
+alone with the weight a run-time input, and the training step (the input is
+not trained: forward and grad_weight) once per ``--weight-layouts`` entry
+(``Options.weight_layout``: the weight entering the delegate and its gradient
+leaving it as OIHW or as HWIO); plus the weight permutation alone (a graph
+input permuted from OIHW to HWIO, and the same as the collapsed Transpose
+``qnn_ops.weight_transpose`` emits) and, as the control, the weight only
+scaled, taken as an OIHW input, as an HWIO one and as ``[O, I*k*k]`` and
+``[k*k*I, O]`` ones, to isolate what QNN's finalisation costs for each.
+
+``--weight-layout`` sets ``Options.weight_layout`` for the ``model`` mode;
+``--steps N`` then times N training steps of the lowered program on the
+simulator. The compiled-context cache is off: every row compiles.
 
     PYTHONPATH=. python scripts/lowering_time.py model resnet18 last_layers --soc SM8650
     PYTHONPATH=. python scripts/lowering_time.py micro 512x512x1 512x512x3 --sizes 4 8
+    PYTHONPATH=. python scripts/lowering_time.py micro 512x512x3 --sizes 4 --steps-only \
+        --weight-layouts torch hwio
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from qnn_convbwd import options
 from qnn_convbwd.geometry import conv as geo
 from qnn_convbwd.geometry import permutation
 from qnn_convbwd.toolchain import harness
@@ -41,9 +51,20 @@ def _counts(counter: Counter, top: int = 12) -> str:
     return ", ".join(f"{k} {v}" for k, v in counter.most_common(top))
 
 
-def row(label: str, program: torch.export.ExportedProgram, soc: str) -> dict:
-    """Lower ``program`` once; print and return its phase times and op counts."""
-    timing, _ = lowering_time.measure(program, harness.compile_specs(soc))
+def row(
+    label: str,
+    program: torch.export.ExportedProgram,
+    soc: str,
+    lowered: list | None = None,
+    weight_layout: str = "torch",
+) -> dict:
+    """Lower ``program`` once, the context cache off; print and return its phase times
+    and op counts (and append the ``LoweringResult`` to ``lowered`` when given)."""
+    timing, lowering = lowering_time.measure(
+        program, harness.compile_specs(soc), context_cache=False, weight_layout=weight_layout
+    )
+    if lowered is not None:
+        lowered.append(lowering)
     aten = lowering_time.aten_ops(program)
     qnn = timing.qnn_ops()
     result = {
@@ -80,7 +101,37 @@ HEADER = (
 )
 
 
-def model_rows(arch: str, scheme: str, soc: str, size: int, which: list[str]) -> list[dict]:
+def step_times(lowered, graph, steps: int, weight_layout: str) -> list[float]:
+    """Seconds of each of ``steps`` SGD steps of the lowered joint program on the
+    simulator (``training.TrainingSession``; the first includes loading its delegates)."""
+    import time
+
+    from qnn_convbwd import api, training
+
+    # A program that mutates buffers is emitted inside enabled() (training metadata).
+    with api.enabled(weight_layout=weight_layout):
+        pte = lowered.edge.to_executorch().buffer
+    session = training.TrainingSession(pte, 0.01)
+    seconds = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            session.step(list(graph.inputs))
+            seconds.append(time.perf_counter() - start)
+    finally:
+        session.close()
+    return seconds
+
+
+def model_rows(
+    arch: str,
+    scheme: str,
+    soc: str,
+    size: int,
+    which: list[str],
+    steps: int = 0,
+    weight_layout: str = "torch",
+) -> list[dict]:
     from qnn_convbwd_dev import zoo
 
     rows = []
@@ -90,7 +141,13 @@ def model_rows(arch: str, scheme: str, soc: str, size: int, which: list[str]) ->
         rows.append(row(f"{arch} {size}px inference", program, soc))
     if "training" in which:
         graph = zoo.graph(arch, scheme, size)
-        rows.append(row(f"{arch} {size}px {scheme}", graph.program, soc))
+        lowered: list = []
+        label = f"{arch} {size}px {scheme}, weight {weight_layout}"
+        rows.append(row(label, graph.program, soc, lowered, weight_layout))
+        if steps:
+            seconds = step_times(lowered[0], graph, steps, weight_layout)
+            rows[-1]["step_s"] = seconds
+            print("    simulator step s: " + ", ".join(f"{s:.1f}" for s in seconds), flush=True)
     return rows
 
 
@@ -149,33 +206,47 @@ class Scale(torch.nn.Module):
         return weight * 2.0
 
 
-def micro_rows(configs: list[str], sizes: list[int], soc: str) -> list[dict]:
+def micro_rows(
+    configs: list[str], sizes: list[int], soc: str, layouts: list[str], steps_only: bool
+) -> list[dict]:
     from torch.export.experimental import _export_forward_backward
 
     rows = []
     for config in configs:
         cin, cout, k = (int(v) for v in config.split("x"))
         weight = torch.randn(cout, cin, k, k)
-        for name, collapsed in (("4-D", False), ("collapsed", True)):
-            program = torch.export.export(Permute(weight.shape, collapsed), (weight,), strict=True)
-            rows.append(row(f"{config} weight permutation, {name}", program, soc))
-        for name, value in (("OIHW", weight), ("[O, I*k*k]", weight.reshape(cout, -1))):
-            program = torch.export.export(Scale(), (value,), strict=True)
-            rows.append(row(f"{config} no permutation, {name} input", program, soc))
+        hwio = weight.permute(geo.OIHW_TO_HWIO).contiguous()
+        if not steps_only:
+            for name, collapsed in (("4-D", False), ("collapsed", True)):
+                program = torch.export.export(
+                    Permute(weight.shape, collapsed), (weight,), strict=True
+                )
+                rows.append(row(f"{config} weight permutation, {name}", program, soc))
+            for name, value in (
+                ("OIHW", weight),
+                ("HWIO", hwio),
+                ("[O, I*k*k]", weight.reshape(cout, -1)),
+                ("[k*k*I, O]", hwio.reshape(-1, cout)),
+            ):
+                program = torch.export.export(Scale(), (value,), strict=True)
+                rows.append(row(f"{config} no permutation, {name} input", program, soc))
         for size in sizes:
             torch.manual_seed(0)
             conv = Conv(cin, cout, k)
             x = torch.randn(1, cin, size, size)
-            conv.requires_grad_(False)
-            frozen = torch.export.export(conv, (x,), strict=True)
-            rows.append(row(f"{config} @{size} forward, frozen weight", frozen, soc))
-            runtime = torch.export.export(RuntimeWeightConv(k), (x, weight), strict=True)
-            rows.append(row(f"{config} @{size} forward, run-time weight", runtime, soc))
+            if not steps_only:
+                conv.requires_grad_(False)
+                frozen = torch.export.export(conv, (x,), strict=True)
+                rows.append(row(f"{config} @{size} forward, frozen weight", frozen, soc))
+                runtime = torch.export.export(RuntimeWeightConv(k), (x, weight), strict=True)
+                rows.append(row(f"{config} @{size} forward, run-time weight", runtime, soc))
             conv.requires_grad_(True)
             step = ConvStep(conv)
             target = torch.randn(1, cout, size, size)
             joint = _export_forward_backward(torch.export.export(step, (x, target), strict=True))
-            rows.append(row(f"{config} @{size} training step", joint, soc))
+            for layout in layouts:
+                label = f"{config} @{size} training step, weight {layout}"
+                rows.append(row(label, joint, soc, weight_layout=layout))
     return rows
 
 
@@ -194,6 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     micro = sub.add_parser("micro", help="single trainable convolutions")
     micro.add_argument("configs", nargs="+", help="CinxCoutxK, e.g. 512x512x1")
     micro.add_argument("--sizes", type=int, nargs="+", default=[4, 8])
+    micro.add_argument(
+        "--weight-layouts", nargs="+", choices=options.WEIGHT_LAYOUTS, default=["torch"]
+    )
+    micro.add_argument("--steps-only", action="store_true", help="only the training steps")
+    model.add_argument("--weight-layout", choices=options.WEIGHT_LAYOUTS, default="torch")
+    model.add_argument(
+        "--steps", type=int, default=0, help="then time this many training steps on the simulator"
+    )
     for p in (model, micro):
         p.add_argument("--soc", default="SM8650")
         p.add_argument("--json", type=Path, help="append the rows to this file, one per line")
@@ -204,9 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     if args.mode == "model":
         which = [args.only] if args.only else ["inference", "training"]
-        rows = model_rows(args.arch, args.scheme, args.soc, args.size, which)
+        rows = model_rows(
+            args.arch, args.scheme, args.soc, args.size, which, args.steps, args.weight_layout
+        )
     else:
-        rows = micro_rows(args.configs, args.sizes, args.soc)
+        rows = micro_rows(args.configs, args.sizes, args.soc, args.weight_layouts, args.steps_only)
     load = os.getloadavg()
     print(f"load average at end: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     if args.json:

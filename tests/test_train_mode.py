@@ -267,6 +267,22 @@ def test_train_mode_batch_norm_trains_in_one_delegate(name, qnn_sdk):
 
 
 @pytest.mark.htp
+@pytest.mark.parametrize("name", ["conv_bn", "residual"])
+def test_train_mode_batch_norm_trains_with_weights_in_the_filter_layout(name, qnn_sdk):
+    """weight_layout="hwio": the weights' and their gradients' permutes join the running
+    statistics' updates on CPU, still one delegate; the steps stay like torch's."""
+    torch.manual_seed(0)
+    model = HTP_MODELS[name]().train()
+    x, y = _inputs(model)
+    with qnn_convbwd.enabled(weight_layout="hwio"):
+        result, pte, mutable = _lower(model, x, y, "SM8650")
+    assert _delegates(result) == 1
+    rules = {op.rule for op in result.report.on_cpu}
+    assert rules == {"program_state_on_cpu", "weight_layout_on_cpu"}
+    _Trained(pte, model, x, y, STEPS, mutable).assert_like_torch()
+
+
+@pytest.mark.htp
 def test_v68_trains_train_mode_batch_norm_on_cpu(qnn_sdk):
     """Below V69 the whole training graph runs on executorch's CPU kernels: the rewritten
     batch norm is core ATen they run, in fp32 (so tighter than the HTP's bound)."""

@@ -323,6 +323,23 @@ def _unscale():
     return node, judge.Context(htp(program)), None
 
 
+@reaches(GRAPH, "weight_layout_on_cpu")
+def _weight_to_device():
+    program = _ops_program()
+    node = _first(program, _of("aten.sum.dim_IntList"))
+    node.meta[meta.WEIGHT_TO_DEVICE] = "p_conv_weight"
+    return node, judge.Context(htp(program)), None
+
+
+@reaches(GRAPH, "weight_view_follows_convolutions")
+def _weight_view():
+    program = _ops_program()
+    node = _first(program, _of("dim_order_ops._clone_dim_order.default"))
+    node.meta[meta.WEIGHT_VIEW] = "p_conv_weight"
+    reader = next(iter(node.users))  # stands for the convolution, kept on CPU
+    return node, judge.Context(htp(program), skip_ids=frozenset({reader.name})), None
+
+
 @reaches(GRAPH, "constant_follows_consumers")
 def _constant():
     program = _ops_program()

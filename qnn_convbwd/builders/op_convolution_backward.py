@@ -22,7 +22,7 @@ import torch
 
 from .. import integration, options
 from ..geometry import conv as geo
-from . import weight_gradient
+from . import weight_gradient, weight_views
 from .input_gradient import FORMULATIONS, GradInputRequest
 
 NodeVisitor = integration.get("NodeVisitor")
@@ -68,8 +68,18 @@ class ConvolutionBackwardVisitor(NodeVisitor):
             )
             ops += FORMULATIONS[options.current.input_gradient](request)
         if want_weight:
-            # torch's OIHW: the layout pass leaves weight-side outputs untransformed.
-            grad_weight = output(1, node.meta["val"][1])
+            view = weight_views.grad_view(node)
+            if view is None:
+                # torch's OIHW: the layout pass leaves weight-side outputs untransformed.
+                grad_weight = output(1, node.meta["val"][1])
+                order = tuple(range(conv.rank))
+            else:  # computed straight into the permute to the delegate's layout
+                grad_weight = self.define_tensor(
+                    view, node, view.meta["val"], native, nodes_to_wrappers
+                )
+                # executorch's getitem visitor maps the getitem to output 1
+                nodes_to_wrappers.setdefault(node.name, {})[1] = grad_weight
+                order = tuple(view.args[1])
             ops += weight_gradient.weight_gradient(
                 self,
                 node,
@@ -78,6 +88,7 @@ class ConvolutionBackwardVisitor(NodeVisitor):
                 list(grad_output_value.shape),
                 grad_weight,
                 nodes_to_wrappers,
+                result_order=order,
             )
         if want_bias:
             grad_bias = output(2, node.meta["val"][2])

@@ -6,7 +6,10 @@ partitioner keeps those top-level, so inside the delegate they are graph
 inputs), or any other tensor a user feeds or a node computes. Such a weight
 enters the QNN graph in torch's layout (``OIHW``, or ``IOHW`` for a transposed
 convolution) and one Transpose makes the ``HWIO`` filter the Conv ops take.
-That HWIO tensor is cached by name, so the forward convolution and the
+With ``Options.weight_layout == "hwio"`` a trainable weight enters as the
+HWIO filter itself (``passes.weight_layout``; the permute back to torch's layout
+in front of the convolutions is not built, ``weight_views``) and no Transpose
+is needed. That HWIO tensor is cached by name, so the forward convolution and the
 backward ops of the same weight read one tensor and the Transpose is built
 once per graph (by whichever reader is built first).
 
@@ -23,7 +26,7 @@ import torch
 
 from .. import integration, signature
 from ..geometry import conv as geo
-from . import qnn_ops
+from . import qnn_ops, weight_views
 
 
 def reads_at_run_time(visitor, node: object) -> bool:
@@ -67,6 +70,12 @@ def _physical_order(node: torch.fx.Node) -> tuple[int, ...]:
 
 def runtime_tensor(visitor, node: torch.fx.Node, build_node: torch.fx.Node, nodes_to_wrappers):
     """The QNN tensor of a run-time operand, and the torch dims it holds in order."""
+    if weight_views.folded_weight_view(node):
+        # The permute is not built: its source holds the same elements.
+        source, source_order = runtime_tensor(visitor, node.args[0], build_node, nodes_to_wrappers)
+        perm = list(node.args[1])
+        source_dims = [perm.index(d) for d in range(len(perm))]  # source dim -> node dim
+        return source, tuple(source_dims[d] for d in source_order)
     value = node.meta["val"]
     order = _physical_order(node)
     physical = [int(value.shape[i]) for i in order] or [1]
@@ -98,7 +107,7 @@ def runtime_filter(
 
     ``filter_order`` is ``geo.oihw_to_hwio(spatial)`` for a convolution's HWIO
     filter. The filter is cached under ``filter_name``; ops is empty when an
-    earlier reader built it.
+    earlier reader built it or the run-time tensor is the filter already.
     """
     name = filter_name(weight_node, filter_order)
     cached = nodes_to_wrappers.get(name, {}).get(0)
@@ -108,6 +117,10 @@ def runtime_filter(
     value = weight_node.meta["val"]
     perm = [order.index(dim) for dim in filter_order]
     shape = [int(value.shape[dim]) for dim in filter_order]
+    if tuple(order) == tuple(filter_order):
+        # The run-time tensor is the filter already (a weight entering as HWIO).
+        nodes_to_wrappers.setdefault(name, {})[0] = source
+        return [], source
     result = qnn_ops.native_tensor(visitor, name, shape, value.dtype, nodes_to_wrappers)
     if perm == sorted(perm):
         return [qnn_ops.reshape(f"{name}_op", source, result)], result

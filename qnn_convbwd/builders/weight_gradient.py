@@ -95,8 +95,11 @@ def weight_gradient(
     grad_output_shape: Sequence[int],  # NHWC
     result,
     nodes_to_wrappers,
+    result_order: Sequence[int] | None = None,
 ) -> list:
-    """Ops computing grad_weight (OIHW, into ``result``) for a 2-D or 3-D convolution."""
+    """Ops computing grad_weight for a 2-D or 3-D convolution into ``result``, which
+    holds the dims of torch's OIHW grad_weight in ``result_order`` (None: OIHW itself;
+    ``geo.oihw_to_hwio``: the QNN filter layout)."""
     native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
     dtype = conv.dtype
     x_node = visitor.get_node(node.args[geo.INPUT])
@@ -213,8 +216,15 @@ def weight_gradient(
         amounts = [[0, 0], *plan.zero_taps, [0, 0]]
         ops.append(qnn_ops.zero_pad(f"{base}_zero_taps", computed, hwio, amounts))
 
-    # [Cg, *k, C_out] -> OIHW [C_out, Cg, *k]
-    ops.append(qnn_ops.transpose(f"{base}_oihw", hwio, result, (last, 0, *dims)))
+    # [Cg, *k, C_out] holds the OIHW dims (1, *k, 0); the result holds them in result_order.
+    computed_order = (1, *(1 + d for d in dims), 0)
+    if result_order is None:
+        result_order = tuple(range(len(computed_order)))
+    perm = [computed_order.index(d) for d in result_order]
+    if perm == sorted(perm):
+        ops.append(qnn_ops.reshape(f"{base}_result", hwio, result))
+    else:
+        ops.append(qnn_ops.transpose(f"{base}_result", hwio, result, perm))
     return ops
 
 

@@ -34,7 +34,18 @@ import torch
 
 from .. import integration, nodes
 from ..geometry import conv as geo
-from ..meta import INDICES_CAST, INDICES_ON_HTP, NAME_SEEN, ON_CPU, SHAPE_OF, UNSCALE
+from ..meta import (
+    GRAD_TO_TORCH,
+    GRAD_VIEW,
+    INDICES_CAST,
+    INDICES_ON_HTP,
+    NAME_SEEN,
+    ON_CPU,
+    SHAPE_OF,
+    UNSCALE,
+    WEIGHT_TO_DEVICE,
+    WEIGHT_VIEW,
+)
 from ..nodes import origins
 from . import cpu_kernel, max_pool, support, trainable
 from .target import MIN_HTP_ARCH, Target, below_min_arch
@@ -185,6 +196,34 @@ def loss_unscale(node, context):
     if not node.meta.get(UNSCALE):
         return None
     return Rejection("divides a gradient by the loss scale in fp32 on CPU", "loss_scale")
+
+
+@graph_rule
+def weight_layout_on_cpu(node, context):
+    """The permutes between a trainable weight's torch layout and the delegate's
+    (``passes.weight_layout``) run on CPU: exact, and the delegate's tensors keep
+    the layout QAIRT finalises fast."""
+    weight = node.meta.get(WEIGHT_TO_DEVICE) or node.meta.get(GRAD_TO_TORCH)
+    if weight is None:
+        return None
+    return Rejection("moves a trainable weight between torch's layout and the delegate's", weight)
+
+
+@graph_rule
+def weight_view_follows_convolutions(node, context):
+    """The permute of a trainable weight back to torch's layout that its convolutions
+    read (``meta.WEIGHT_VIEW``), and the permute of their grad_weight to the delegate's
+    layout (``meta.GRAD_VIEW``), go where the convolutions go: inside their delegate
+    the visitors fold them away."""
+    if node.meta.get(WEIGHT_VIEW):
+        kept = [user.name for user in node.users if not context.other_delegated(user)]
+        if kept:
+            return Rejection("its convolutions stay on CPU", ", ".join(kept))
+    elif node.meta.get(GRAD_VIEW):
+        producer = node.args[0]
+        if not context.other_delegated(producer):
+            return Rejection("its convolution_backward stays on CPU", producer.name)
+    return None
 
 
 def _program_state(node: torch.fx.Node, context: Context) -> dict[torch.fx.Node, str]:

@@ -6,6 +6,10 @@ grad_bias ([C]) keep torch's layout, so their getitems are edge conditions the
 pass neither marks nor permutes. The node's own axis order is that of its
 activations (grad_output's rank); executorch would otherwise take it from
 whichever getitem happens to be its first user, a weight-side one included.
+
+The permutes ``passes.weight_layout`` puts between a trainable weight (or its
+gradient) and the delegate's filter layout are edge conditions as well: they
+move a weight, not an activation.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 
 from .. import nodes
 from ..geometry import conv as geo
+from ..meta import GRAD_VIEW, WEIGHT_VIEW
 
 
 def is_weight_side_output(node) -> bool:
@@ -41,8 +46,21 @@ def is_filter_input(node) -> bool:
     )
 
 
+def is_weight_view(node) -> bool:
+    """A permute between a trainable weight (or its gradient) in torch's layout and the
+    QNN filter layout it enters (or leaves) the delegate in (``passes.weight_layout``)."""
+    return isinstance(node, torch.fx.Node) and bool(
+        node.meta.get(WEIGHT_VIEW) or node.meta.get(GRAD_VIEW)
+    )
+
+
 def is_edge_condition(original: Callable, pass_, node) -> bool:
-    return is_weight_side_output(node) or is_filter_input(node) or original(node)
+    return (
+        is_weight_side_output(node)
+        or is_filter_input(node)
+        or is_weight_view(node)
+        or original(node)
+    )
 
 
 def mark_as_transformed(original: Callable, pass_, node) -> None:

@@ -21,8 +21,9 @@ _FENCE = re.compile(r"^\s*(```|~~~)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 _LINK = re.compile(r"!?\[(?:[^\]\[]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 _INLINE_CODE = re.compile(r"`[^`]*`")
-# A work-log reference: "session 20", "sessions 1-13", "S19", "issue 13", "issues 12, 13",
-# "#38". Code spans are left out (a gate named ``relu#1`` is not an issue number).
+# A work-log reference: the word session or issue (or their plurals) before a number, an
+# S-number tag, a hash before a number. Code spans are left out (a gate named ``relu#1``
+# is not a work-log reference).
 WORK_LOG = re.compile(
     r"[Ss]essions? [0-9]|\bS[0-9]{1,2}\b|[Ii]ssues? #?[0-9]|(?<![\w`])#[0-9]{1,3}\b"
 )
@@ -118,7 +119,15 @@ def test_links_skip_code():
 
 
 def test_the_work_log_pattern_finds_references():
-    for text in ("as in session 20", "sessions 1-13", "(S19)", "issue 13", "issues 12, 13", "#38"):
+    n = 7  # any number: the examples are built, so this file names no real reference
+    found = (
+        f"as in session {n}",
+        f"sessions {n}-{n + 6}",
+        f"(S{n})",
+        f"issue {n}",
+        f"issues {n}, {n + 1}",
+    )
+    for text in (*found, f"#{n}"):
         assert WORK_LOG.search(text), text
     for text in ("TrainingSession", "SM8650", "a `relu#1` gate", "V75", "issued"):
         assert not WORK_LOG.search(text), text

@@ -32,22 +32,9 @@ import torch
 from tiers import sweep
 from torch import nn
 
+from qnn_convbwd.commands.models import demo_backbone
 from qnn_convbwd.toolchain import harness, sdk
 from qnn_convbwd.toolchain.doctor import FP16_RELATIVE_TOLERANCE
-
-
-def small_cnn() -> nn.Module:
-    """conv / relu / stride-2 conv on an odd size / depthwise conv / 1x1 conv."""
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, stride=2, padding=1),
-        nn.ReLU(),
-        nn.Conv2d(16, 16, 3, padding=1, groups=16),
-        nn.ReLU(),
-        nn.Conv2d(16, 8, 1),
-    )
-
 
 MODELS = {
     "conv2d": (lambda: nn.Conv2d(8, 16, 3, padding=1), (1, 8, 16, 16)),
@@ -55,7 +42,8 @@ MODELS = {
         lambda: nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1, output_padding=1),
         (1, 8, 8, 8),
     ),
-    "small_cnn": (small_cnn, (1, 3, 17, 17)),
+    # conv / relu / stride-2 conv on an odd size / depthwise conv / 1x1 conv
+    "small_cnn": (lambda: demo_backbone(3), (1, 3, 17, 17)),
 }
 
 

@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-from . import integration, logs, nodes, options, pipeline, progress
+from . import integration, logs, lowering_cache, nodes, options, pipeline, progress
 from .geometry import conv as geo
 from .nodes import origins
 from .partition import cpu_kernel, judge
 from .partition.target import Target
 from .partition.verdict import Fallback
+from .passes import dropout
 
 logger = logging.getLogger(__name__)
 
@@ -379,8 +380,44 @@ def lower(
     ``to_edge_transform_and_lower`` with ``QnnPartitioner``) with the plugin
     enabled, and reports one row per convolution_backward node, every op kept on CPU
     and every delegated node built another way than the options asked (``fallbacks``).
+    A program lowered before with the same options, compile specs and toolchain comes
+    back from the lowering cache (``lowering_cache.py``).
     """
-    with enabled(), judge.recording(), progress.run():
+    with enabled(), progress.run():
+        seed = {}
+        if options.current.dropout_seed is None and dropout.draws(program):
+            # Drawn here as the dropout pass would draw it, so that the cache's key holds it.
+            seed["dropout_seed"] = dropout.fresh_seed()
+        with enabled(**seed):
+            edge, report = lowering_cache.through(
+                program,
+                compiler_specs,
+                (skip_node_id_set, skip_node_op_set),
+                lambda: _lower(program, compiler_specs, skip_node_id_set, skip_node_op_set),
+            )
+        return LoweringResult(edge, _report_from(report))
+
+
+def _report_to(report: Report) -> dict:
+    return dataclasses.asdict(report)
+
+
+def _report_from(record: dict) -> Report:
+    return Report(
+        [ReportRow(**row) for row in record["rows"]],
+        [CpuOp(**op) for op in record["on_cpu"]],
+        [Fallback(**fallback) for fallback in record["fallbacks"]],
+    )
+
+
+def _lower(
+    program: torch.export.ExportedProgram,
+    compiler_specs: list,
+    skip_node_id_set: set | None,
+    skip_node_op_set: set | None,
+) -> tuple[Any, dict]:
+    """``lower()`` without its cache: (the edge program manager, the report's record)."""
+    with judge.recording():
         progress.phase(progress.EXPORT)
         target = Target.from_compile_specs(compiler_specs)
         before = {n.name: geo.parse(n) for n in _conv_bwd_nodes(program.graph)}
@@ -417,7 +454,7 @@ def lower(
             sum(r.delegated for r in rows),
             len(rows),
         )
-        return LoweringResult(edge, Report(rows, on_cpu, fallbacks))
+        return edge, _report_to(Report(rows, on_cpu, fallbacks))
 
 
 def _cpu_op(node: torch.fx.Node) -> CpuOp | None:

@@ -42,7 +42,10 @@ COMMANDS = {
         "qnn_convbwd_dev.cost",
         "multiply-adds, bytes and planned memory of a lowered training program",
     ),
-    "cache": ("qnn_convbwd.commands.cache_cli", "list or clear the compiled-context cache"),
+    "cache": (
+        "qnn_convbwd.commands.cache_cli",
+        "list or clear the cache of context binaries and lowerings",
+    ),
 }
 
 

@@ -57,7 +57,7 @@ SUFFIX = ".ctx"
 FORMAT = 1  # bumped when the key or the entry layout changes
 _HEADER_LEN_BYTES = 4
 # Options that do not change the binary (where and how much to cache).
-_CACHE_OPTIONS = ("context_cache", "context_cache_dir", "context_cache_bytes")
+CACHE_OPTIONS = ("context_cache", "context_cache_dir", "context_cache_bytes", "lowering_cache")
 
 
 def default_dir() -> Path:
@@ -87,7 +87,7 @@ def _tensor_bytes(tensor: Any) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def _sha(data: bytes) -> str:
+def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
@@ -176,7 +176,7 @@ def _argument(value: Any, names: _Names) -> Any:
     if isinstance(value, dict):
         return {str(k): _argument(v, names) for k, v in value.items()}
     if isinstance(value, torch.Tensor):
-        return f"tensor:{value.dtype}:{list(value.shape)}:{_sha(_tensor_bytes(value))}"
+        return f"tensor:{value.dtype}:{list(value.shape)}:{sha(_tensor_bytes(value))}"
     return repr(value)
 
 
@@ -219,7 +219,7 @@ def program_digest(program: Any) -> str:
     return digest.hexdigest()
 
 
-def _plugin_identity() -> str:
+def plugin_identity() -> str:
     from . import __version__
 
     return f"{__version__}+{_source_digest()}"
@@ -241,7 +241,7 @@ def _source_digest() -> str:
     return _source_digest_value
 
 
-def _toolchain() -> dict:
+def toolchain() -> dict:
     from . import integration
     from .toolchain.sdk import OPTIMIZATION_VARIABLE, active_sdk, loaded_build_id
 
@@ -264,14 +264,14 @@ def key_parts(
 ) -> dict:
     """Everything the key digests, by name (``key`` hashes it)."""
     plugin_options = {
-        k: v for k, v in dataclasses.asdict(options.current).items() if k not in _CACHE_OPTIONS
+        k: v for k, v in dataclasses.asdict(options.current).items() if k not in CACHE_OPTIONS
     }
     return {
         "format": FORMAT,
-        "plugin": _plugin_identity(),
+        "plugin": plugin_identity(),
         "options": repr(sorted(plugin_options.items())),
-        **_toolchain(),
-        "compile_specs": [[spec.key, _sha(bytes(spec.value))] for spec in compile_specs],
+        **toolchain(),
+        "compile_specs": [[spec.key, sha(bytes(spec.value))] for spec in compile_specs],
         "graph_names": list(graph_names),
         "qnn_graphs": [qnn_graph_digest(ops) for ops in op_wrapper_lists],
         "programs": [program_digest(p) for p in programs],
@@ -279,7 +279,7 @@ def key_parts(
 
 
 def key(parts: dict) -> str:
-    return _sha(json.dumps(parts, sort_keys=True).encode())
+    return sha(json.dumps(parts, sort_keys=True).encode())
 
 
 # --- entries on disk -----------------------------------------------------------
@@ -317,7 +317,7 @@ def _parse(path: Path, data: bytes) -> tuple[dict, bytes]:
     binary = data[start + length :]
     if len(binary) != header.get("size"):
         raise CorruptEntry(f"binary of {len(binary)} bytes, header says {header.get('size')}")
-    if _sha(binary) != header.get("sha256"):
+    if sha(binary) != header.get("sha256"):
         raise CorruptEntry("binary checksum mismatch")
     if path.name != f"{header.get('key')}{SUFFIX}":
         raise CorruptEntry(f"stored under the wrong key (header key {header.get('key')})")
@@ -353,7 +353,7 @@ def store(key_: str, binary: bytes, about: dict, root: Path | None = None, limit
         "format": FORMAT,
         "key": key_,
         "size": len(binary),
-        "sha256": _sha(binary),
+        "sha256": sha(binary),
         "created": time.time(),
         "about": about,
     }

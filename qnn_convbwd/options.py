@@ -146,6 +146,11 @@ class Options:
     context_cache: bool = True
     context_cache_dir: str | None = None
     context_cache_bytes: int = CONTEXT_CACHE_BYTES
+    # Reuse a whole lowering: ``lower()`` of a program it lowered before, with the same
+    # options, compile specs and toolchain, returns the stored edge program and report
+    # (lowering_cache.py). Its entries live beside the context binaries, under their
+    # bound, and context_cache=False turns both off.
+    lowering_cache: bool = True
 
     def __post_init__(self) -> None:
         for field, choices in (

@@ -2,7 +2,8 @@
 """Lower one torchvision training graph and report where the time went, with the
 compiled-context cache on: run it twice in fresh processes with the same
 ``--cache-dir`` to measure a first lowering (QAIRT finalises every delegate) against
-a second one (every context binary from the cache).
+a second one (the whole lowering from the cache; with ``--contexts-only``, the
+cache of whole lowerings off, every context binary from the cache).
 
 Prints one line: the wall time of ``qnn_convbwd.lower``, the time of each phase
 (from ``qnn_convbwd.progress``), how many delegates were finalised and how many
@@ -36,6 +37,11 @@ def main() -> int:
     parser.add_argument("--soc", default="SM8650")
     parser.add_argument("--cache-dir", required=True)
     parser.add_argument("--max-delegate-ops", type=int, default=None)
+    parser.add_argument(
+        "--contexts-only",
+        action="store_true",
+        help="only the context binaries from the cache (lowering_cache=False)",
+    )
     args = parser.parse_args()
 
     from qnn_convbwd_dev import zoo
@@ -48,7 +54,11 @@ def main() -> int:
     joint = _export_forward_backward(torch.export.export(model, inputs, strict=True))
 
     events: list[progress.Event] = []
-    options = {"context_cache_dir": args.cache_dir, "max_delegate_ops": args.max_delegate_ops}
+    options = {
+        "context_cache_dir": args.cache_dir,
+        "max_delegate_ops": args.max_delegate_ops,
+        "lowering_cache": not args.contexts_only,
+    }
     with qnn_convbwd.enabled(**options), progress.observe(events.append):
         start = time.perf_counter()
         result = qnn_convbwd.lower(joint, harness.compile_specs(args.soc))

@@ -153,9 +153,11 @@ class Lowered:
 
 
 def lower(case: models.TrainingCase, root: Path, soc: str = SOC, **options) -> Lowered:
+    """``lower()`` through the context cache alone (test_lowering_cache.py tests the
+    cache of whole lowerings)."""
     events: list[progress.Event] = []
     with (
-        qnn_convbwd.enabled(context_cache_dir=str(root), **options),
+        qnn_convbwd.enabled(context_cache_dir=str(root), lowering_cache=False, **options),
         progress.observe(events.append),
     ):
         result = qnn_convbwd.lower(case.joint(), harness.compile_specs(soc))

@@ -316,6 +316,7 @@ LAYERS = (
     {"passes", "builders"},
     {"toolchain", "after_partition"},
     {"context_cache", "device"},
+    {"lowering_cache"},
     {"pipeline"},
     {"api"},
     {"training", "qnn_convbwd"},

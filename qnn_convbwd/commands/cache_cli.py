@@ -1,4 +1,5 @@
-"""``qnn-convbwd cache``: list or clear the compiled-context cache (context_cache.py)."""
+"""``qnn-convbwd cache``: list or clear the cache of context binaries and whole lowerings
+(context_cache.py, lowering_cache.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-from .. import context_cache
+from .. import context_cache, lowering_cache
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,12 +46,19 @@ def run(args: argparse.Namespace) -> int:
     now = time.time()
     print(f"{root}: {len(entries)} entries, {_size(sum(e.size for e in entries))}")
     if entries:
-        print(f"{'key':16}  {'size':>10}  {'age':>8}  {'last used':>9}  soc     ops  graphs")
+        print(
+            f"{'key':16}  {'size':>10}  {'age':>8}  {'last used':>9}  {'kind':8}  soc     "
+            "ops  holds"
+        )
     for entry in reversed(entries):  # most recently used first
         about = entry.about
+        if about.get("kind") == lowering_cache.KIND:
+            kind, holds = "lowering", f"{about.get('delegates', '?')} delegate(s)"
+        else:
+            kind, holds = "context", ",".join(about.get("graphs", ())) or "?"
         print(
             f"{entry.key[:16]}  {_size(entry.size):>10}  {_age(now - entry.created):>8}  "
-            f"{_age(now - entry.last_used):>9}  {about.get('soc', '?'):6}  "
-            f"{about.get('ops', '?'):>4}  {','.join(about.get('graphs', ())) or '?'}"
+            f"{_age(now - entry.last_used):>9}  {kind:8}  {about.get('soc', '?'):6}  "
+            f"{about.get('ops', '?'):>4}  {holds}"
         )
     return 0

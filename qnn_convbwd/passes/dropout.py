@@ -276,6 +276,19 @@ def emit_step_update(call: Call, step):
     return call(aten.add.Scalar, _Ops(call).mask(step, STEP_MASK), 1)
 
 
+def draws(program: torch.export.ExportedProgram) -> bool:
+    """Whether ``rewrite`` replaces anything in ``program``: whether it draws a seed when
+    given none."""
+    return any(_composite_in_train_mode(n) for n in program.graph.nodes) or bool(
+        draw_nodes(program)
+    )
+
+
+def fresh_seed() -> int:
+    """A seed from torch's RNG, drawn as ``rewrite`` draws one when given none."""
+    return _seed(None)
+
+
 def _seed(seed: int | None) -> int:
     if seed is not None:
         return int(seed)

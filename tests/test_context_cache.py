@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import qnn_convbwd
-from qnn_convbwd import context_cache, progress
+from qnn_convbwd import context_cache, lowering_cache, progress
 from qnn_convbwd.toolchain import harness
 from qnn_convbwd_dev import models
 
@@ -128,11 +128,15 @@ def _cli(*args: str) -> str:
 def test_cli_lists_and_clears(tmp_path):
     context_cache.store(_key(1), os.urandom(2048), {"soc": "SM8650", "ops": 7}, root=tmp_path)
     context_cache.store(_key(2), os.urandom(1024), {"soc": "SM8550", "ops": 3}, root=tmp_path)
+    lowering = {"kind": lowering_cache.KIND, "soc": "SM8850", "ops": 5, "delegates": 2}
+    context_cache.store(_key(3), os.urandom(512), lowering, root=tmp_path)
     listing = _cli("list", "--dir", str(tmp_path))
-    assert "2 entries" in listing
+    assert "3 entries" in listing
     assert _key(1)[:16] in listing and _key(2)[:16] in listing
     assert "SM8650" in listing and "SM8550" in listing
-    assert "deleted 2 entries" in _cli("clear", "--dir", str(tmp_path))
+    (line,) = [row for row in listing.splitlines() if row.startswith(_key(3)[:16])]
+    assert "lowering" in line and "SM8850" in line and "2 delegate(s)" in line
+    assert "deleted 3 entries" in _cli("clear", "--dir", str(tmp_path))
     assert context_cache.entries(tmp_path) == []
     assert "0 entries" in _cli("list", "--dir", str(tmp_path))
 

@@ -90,10 +90,10 @@ SCALAR_CONSTANT_MODES = ("paired", "keep")
 
 # The layout in which a trainable convolution weight enters a delegate and its
 # gradient leaves it (passes/weight_layout.py):
-#   "torch" torch's OIHW, permuted inside the delegate;
-#   "hwio"  the QNN filter layout [*k, I, O]: the parameter is permuted on CPU before
-#           the delegate and grad_weight back to torch's layout after it (exact; the
-#           program's parameters and gradients keep torch's layout).
+#   "hwio"  the default: the QNN filter layout [*k, I, O]; the parameter is permuted
+#           on CPU before the delegate and grad_weight back to torch's layout after it
+#           (exact; the program's parameters and gradients keep torch's layout);
+#   "torch" torch's OIHW, permuted inside the delegate.
 # QAIRT finalises a graph with a run-time [O, I, kH, kW] tensor slowly (its last dim
 # is small): measured with QAIRT 2.51 (docs/lowering_time.md), a training step of
 # one 512x512 3x3 convolution finalised in 1.0 s with "hwio" against 27 s with
@@ -122,7 +122,7 @@ class Options:
     mul_over_add: str = "distribute"
     hardswish: str = "centred"
     scalar_constants: str = "paired"
-    weight_layout: str = "torch"
+    weight_layout: str = "hwio"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
     # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
     # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the

@@ -37,32 +37,46 @@ def assert_trains_like_torch(run: training.TrainingRun) -> None:
     assert 0.8 <= run.update_norm_ratio() <= 1.25, run.update_norm_ratio()
 
 
-def delegate_inputs(edge) -> list[str]:
+def delegate_inputs(edge) -> dict[str, str]:
+    """Delegate input node name -> the placeholder whose value it carries: the input
+    itself, or the parameter a permute on CPU moves to the filter layout
+    (``weight_layout="hwio"``)."""
     graph = edge.exported_program().graph
     calls = [n for n in graph.nodes if "executorch_call_delegate" in str(n.target)]
-    return [a.name for call in calls for a in call.args[1:] if isinstance(a, torch.fx.Node)]
+    args = [a for call in calls for a in call.args[1:] if isinstance(a, torch.fx.Node)]
+
+    def carried(node: torch.fx.Node) -> str:
+        source = node.args[0] if "permute_copy" in str(node.target) else None
+        return (
+            source.name
+            if isinstance(source, torch.fx.Node) and source.op == "placeholder"
+            else node.name
+        )
+
+    return {a.name: carried(a) for a in args}
 
 
 @pytest.fixture(scope="module", params=["frozen", "trainable"])
 def demo(request, qnn_sdk):
     case = models.adapter_case("demo", trainable=request.param == "trainable")
     result, graphs = lower(case)
+    inputs = delegate_inputs(result.edge)  # before to_executorch renames the graph's nodes
     program = result.edge.to_executorch()
-    return case, result, graphs, program.buffer
+    return case, inputs, graphs, program.buffer
 
 
 def test_trainable_parameters_are_delegate_inputs(demo):
-    case, result, graphs, _ = demo
+    case, inputs, graphs, _ = demo
     trainable = {n for n, p in case.model.named_parameters() if p.requires_grad}
     frozen = {n for n, p in case.model.named_parameters() if not p.requires_grad}
-    inputs = delegate_inputs(result.edge)
     placeholder = {name: "p_" + name.replace(".", "_") for name in trainable | frozen}
-    assert {placeholder[n] for n in trainable} <= set(inputs)
-    assert not {placeholder[n] for n in frozen} & set(inputs)
+    assert {placeholder[n] for n in trainable} <= set(inputs.values())
+    assert not {placeholder[n] for n in frozen} & set(inputs.values())
     # Inside the QNN graph a trainable tensor is an input the app writes, never static.
     tensors = {t.name: t for ops in graphs for op in ops for t in (*op.inputs, *op.outputs)}
     for name in trainable:
-        matching = [t for t in tensors.values() if t.name.endswith(placeholder[name] + "@0")]
+        carriers = [node for node, value in inputs.items() if value == placeholder[name]]
+        matching = [t for t in tensors.values() if any(t.name.endswith(c + "@0") for c in carriers)]
         assert matching and all(t.kind.endswith("APP_WRITE") for t in matching), name
         assert not any(placeholder[name] in t.name and t.is_static for t in tensors.values())
 
@@ -94,9 +108,16 @@ def test_frozen_weight_static_and_stored_once(qnn_sdk):
     each frozen convolution weight stored once (runtime_weight: a head and a tail)."""
     case = models.adapter_case("demo", trainable=False)
     graph = saver.record(case.joint(), SOC)
-    names = [t.name for t in graph.tensors.values()]
-    adapter = [n for n in names if "p_adapter_weight" in n]
-    assert adapter and all(graph.tensors[n].type != "STATIC" for n in adapter), adapter
+    # The adapter's weight enters as torch's OIHW or, by default, the filter layout HWIO.
+    adapter = case.model.adapter.weight.detach()
+    layouts = {tuple(adapter.shape), tuple(adapter.permute(2, 3, 1, 0).shape)}
+    entering = [
+        t.name
+        for t in graph.tensors.values()
+        if t.dims in layouts and graph.producer(t.name) is None
+    ]
+    assert entering and all(graph.tensors[n].type == "APP_WRITE" for n in entering), entering
+    assert not any("p_adapter_weight" in t.name for t in graph.static_inputs())
     frozen = {
         n: p for n, p in case.model.named_parameters() if not p.requires_grad and p.dim() == 4
     }

@@ -422,6 +422,21 @@ DRAW_OPS = {
     "mul",
     "view",
 }
+# With the default weight_layout="hwio" each trained convolution weight is permuted to
+# the filter layout before the delegate and its gradient back after it, on CPU.
+WEIGHT_PERMUTE = "permute_copy"
+
+
+def _assert_on_cpu_the_draw_and_weight_permutes(on_cpu, model: torch.nn.Module) -> None:
+    """``on_cpu`` (a Report's): the draw and the counter by ``program_state_on_cpu``,
+    and one permute per trained convolution weight and one per its gradient by
+    ``weight_layout_on_cpu``."""
+    rules = {op.rule for op in on_cpu}
+    assert rules == {"program_state_on_cpu", "weight_layout_on_cpu"}, rules
+    permutes = [op for op in on_cpu if op.rule == "weight_layout_on_cpu"]
+    assert all("permute_copy" in op.op for op in permutes), permutes
+    weights = [p for p in model.parameters() if p.requires_grad and p.dim() == 4]
+    assert len(permutes) == 2 * len(weights), (len(permutes), len(weights))
 
 
 def _cifar():
@@ -438,14 +453,15 @@ def _cifar():
 
 def test_cifar_train_decides_one_delegate_with_the_draw_on_cpu(qnn_sdk):
     """The verdicts (no compile): every op kept on CPU is the draw or the counter, by
-    ``program_state_on_cpu``; the forward max pools go to the HTP with their indices."""
+    ``program_state_on_cpu``, or a trained weight's permute, by ``weight_layout_on_cpu``;
+    the forward max pools go to the HTP with their indices."""
     from qnn_convbwd import api
     from qnn_convbwd.toolchain import harness
 
     model, inputs = _cifar()
     report = api.decide(export_joint(model, inputs), harness.compile_specs("SM8650"))
     assert report.on_cpu
-    assert {op.rule for op in report.on_cpu} == {"program_state_on_cpu"}, report.on_cpu_markdown()
+    _assert_on_cpu_the_draw_and_weight_permutes(report.on_cpu, model)
     assert not any("max_pool" in op.op or "dropout" in op.op for op in report.on_cpu)
 
 
@@ -464,15 +480,16 @@ def cifar_lowered(qnn_sdk):
 
 
 def test_cifar_train_is_one_delegate(cifar_lowered):
-    """Dropout no longer splits the graph: one delegate with the three max pools (and
-    their indices) and their backwards; on CPU only the draw and its counter."""
+    """Dropout does not split the graph: one delegate with the three max pools (and
+    their indices) and their backwards; on CPU only the draw, its counter and the
+    trained weights' permutes."""
     from qnn_convbwd.commands.train_cli import cpu_ops
     from qnn_convbwd.toolchain import harness
 
-    _, _, _, compiled = cifar_lowered
+    model, _, _, compiled = cifar_lowered
     assert harness.delegate_count(compiled.edge) == 1
-    assert set(cpu_ops(compiled.edge)) <= DRAW_OPS, cpu_ops(compiled.edge)
-    assert {op.rule for op in compiled.report.on_cpu} == {"program_state_on_cpu"}
+    assert set(cpu_ops(compiled.edge)) <= DRAW_OPS | {WEIGHT_PERMUTE}, cpu_ops(compiled.edge)
+    _assert_on_cpu_the_draw_and_weight_permutes(compiled.report.on_cpu, model)
     graph = compiled.edge.exported_program().graph
     assert not [n for n in graph.nodes if "max_pool" in str(n.target)]
     assert all(row.delegated for row in compiled.report.rows)

@@ -323,8 +323,10 @@ def _every_op_but_pools(program) -> set[str]:
 
 def test_cifar_training_graph_is_one_delegate_within_fidelity(cifar_on_sm8650):
     """ExecuTorch's CIFAR10Model with cross-entropy: three pools with their indices and
-    the loss tail (``full_reductions``) in one delegate; nothing left on CPU. (The
-    lowering is shared with test_training.py's training of the same program.)"""
+    the loss tail (``full_reductions``) in one delegate; left on CPU only the permutes
+    of the trained convolution weights to the filter layout and of their gradients back
+    (the default ``weight_layout="hwio"``). (The lowering is shared with
+    test_training.py's training of the same program.)"""
     from qnn_convbwd import api
     from qnn_convbwd.commands.train_cli import cpu_ops
     from qnn_convbwd.toolchain import harness
@@ -340,7 +342,10 @@ def test_cifar_training_graph_is_one_delegate_within_fidelity(cifar_on_sm8650):
     ]
     assert compared and set(compared) == {torch.int32}  # ignore_index not turned float
     assert harness.delegate_count(compiled.edge) == 1
-    assert cpu_ops(compiled.edge) == []
+    assert cpu_ops(compiled.edge) == ["permute_copy"]
+    assert {op.rule for op in compiled.report.on_cpu} == {"weight_layout_on_cpu"}
+    weights = [p for p in case.model.parameters() if p.requires_grad and p.dim() == 4]
+    assert len(compiled.report.on_cpu) == 2 * len(weights), compiled.report.on_cpu_markdown()
     outputs = compiled.run(list(case.inputs))
     report = fidelity.assess_model(case.model, case.inputs, program, outputs)
     assert report.within, report.to_markdown()

@@ -26,7 +26,7 @@ import torch
 
 from .. import integration, signature
 from ..geometry import conv as geo
-from ..meta import PINNED
+from ..meta import PINNED, WEIGHT_TO_DEVICE, WEIGHT_VIEW
 from . import target as targets
 from .target import FLOAT_DTYPES, Target
 from .verdict import Decision, Rejection, rules, settle
@@ -138,6 +138,15 @@ def _weight_node(node: torch.fx.Node) -> torch.fx.Node:
     return node.args[geo.WEIGHT]
 
 
+def _weight_source(node: torch.fx.Node) -> torch.fx.Node:
+    """``node``'s weight, seen through the permutes ``passes.weight_layout`` puts
+    between a trainable parameter and its readers: the parameter itself."""
+    weight = _weight_node(node)
+    while weight.meta.get(WEIGHT_VIEW) or weight.meta.get(WEIGHT_TO_DEVICE):
+        weight = weight.args[0]
+    return weight
+
+
 def _is_dequantize(node: torch.fx.Node) -> bool:
     target = getattr(node, "target", None)
     name = getattr(target, "__name__", "") or str(target)
@@ -195,10 +204,10 @@ def weight_values(node, conv, target):
         return None
     if geo.transpose_conv_applies_groups(conv.spatial_dims):
         return None
-    weight = _weight_node(node)
+    weight = _weight_source(node)
     if not integration.get("is_parameter")(weight, target.edge_program):
-        kind = "graph input" if weight.op == "placeholder" else f"computed by {weight.op}"
-        why = f"weight={weight.name} is a {kind}"
+        kind = "a graph input" if weight.op == "placeholder" else f"computed by {weight.op}"
+        why = f"weight={weight.name} is {kind}"
     elif signature.is_trainable_parameter(weight, target.edge_program):
         why = f"weight={weight.name} is trainable"
     else:

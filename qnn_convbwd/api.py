@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import json
 import logging
 import operator
 import os
@@ -394,12 +395,16 @@ def lower(
                 compiler_specs,
                 (skip_node_id_set, skip_node_op_set),
                 lambda: _lower(program, compiler_specs, skip_node_id_set, skip_node_op_set),
+                _report_to,
+                _report_from,
             )
-        return LoweringResult(edge, _report_from(report))
+        return LoweringResult(edge, report)
 
 
 def _report_to(report: Report) -> dict:
-    return dataclasses.asdict(report)
+    record = dataclasses.asdict(report)
+    json.dumps(record)  # raises for what JSON cannot hold (symbolic sizes)
+    return record
 
 
 def _report_from(record: dict) -> Report:
@@ -415,8 +420,8 @@ def _lower(
     compiler_specs: list,
     skip_node_id_set: set | None,
     skip_node_op_set: set | None,
-) -> tuple[Any, dict]:
-    """``lower()`` without its cache: (the edge program manager, the report's record)."""
+) -> tuple[Any, Report]:
+    """``lower()`` without its cache: the edge program manager and the report."""
     with judge.recording():
         progress.phase(progress.EXPORT)
         target = Target.from_compile_specs(compiler_specs)
@@ -454,7 +459,7 @@ def _lower(
             sum(r.delegated for r in rows),
             len(rows),
         )
-        return edge, _report_to(Report(rows, on_cpu, fallbacks))
+        return edge, Report(rows, on_cpu, fallbacks)
 
 
 def _cpu_op(node: torch.fx.Node) -> CpuOp | None:

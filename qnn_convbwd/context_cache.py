@@ -184,7 +184,11 @@ def _value_meta(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_value_meta(v) for v in value]
     shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    return [list(shape) if shape is not None else None, str(dtype)] if dtype else repr(value)
+    if not dtype:
+        return repr(value)
+    # A dynamic program's sizes are symbols (``s0``): named, with the range constraints.
+    sizes = [d if isinstance(d, int) else str(d) for d in shape] if shape is not None else None
+    return [sizes, str(dtype)]
 
 
 def program_digest(program: Any) -> str:

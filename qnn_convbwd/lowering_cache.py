@@ -254,20 +254,32 @@ def through(
     program: torch.export.ExportedProgram,
     compile_specs: Sequence[Any],
     skips: Iterable[Any],
-    lower: Callable[[], tuple[Any, dict]],
-) -> tuple[Any, dict]:
-    """(edge, report) of ``lower()``, or of the entry that stored it before."""
+    lower: Callable[[], tuple[Any, Any]],
+    record: Callable[[Any], dict],
+    restore: Callable[[dict], Any],
+) -> tuple[Any, Any]:
+    """(edge, report) of ``lower()``, or of the entry that stored it before; ``record``
+    makes a report JSON data, ``restore`` the report again."""
     if not usable(compile_specs):
         return lower()
     started = time.perf_counter()
-    key_ = context_cache.key(key_parts(program, compile_specs, list(skips)))
+    try:
+        key_ = context_cache.key(key_parts(program, compile_specs, list(skips)))
+    except Exception as err:  # a program the key cannot digest is lowered, not cached
+        logger.warning("lowering cache: no key for this program (%s: %s)", type(err).__name__, err)
+        return lower()
     found = lookup(key_)
     if found is not None:
         progress.phase(progress.CACHE_HIT)
         logger.info(
             "lowering cache: hit %s (read in %.2f s)", key_[:16], time.perf_counter() - started
         )
-        return found.edge, found.report
+        return found.edge, restore(found.report)
     edge, report = lower()
-    store(key_, edge, report, compile_specs)
+    try:
+        data = record(report)
+    except Exception as err:  # symbolic sizes of a dynamic program are no JSON data
+        logger.info("lowering cache: not stored (report: %s: %s)", type(err).__name__, err)
+    else:
+        store(key_, edge, data, compile_specs)
     return edge, report

@@ -128,9 +128,9 @@ def test_a_seed_drawn_for_dropout_comes_from_torchs_rng_before_the_key(qnn_sdk, 
     would without the cache."""
     seen = []
 
-    def through(program, specs, skips, lower):
+    def through(program, specs, skips, lower, record, restore):
         seen.append(qnn_convbwd.options.current.dropout_seed)
-        return None, {"rows": [], "on_cpu": [], "fallbacks": []}
+        return None, restore({"rows": [], "on_cpu": [], "fallbacks": []})
 
     monkeypatch.setattr(lowering_cache, "through", through)
     program = _joint()
@@ -145,6 +145,28 @@ def test_a_seed_drawn_for_dropout_comes_from_torchs_rng_before_the_key(qnn_sdk, 
     with qnn_convbwd.enabled(dropout_seed=11):
         qnn_convbwd.lower(program, harness.compile_specs(SOC))
     assert seen[-1] == 11
+
+
+def test_a_report_that_is_no_json_data_is_returned_and_not_stored(qnn_sdk, tmp_path, caplog):
+    """A dynamic program's report holds symbolic sizes: the lowering is returned as it
+    is, and nothing is stored."""
+    lowered = (object(), object())
+
+    def record(report):
+        raise TypeError("Object of type SymInt is not JSON serializable")
+
+    with (
+        qnn_convbwd.enabled(context_cache_dir=str(tmp_path)),
+        pytest.MonkeyPatch.context() as patch,
+        caplog.at_level(logging.INFO, logger=lowering_cache.__name__),
+    ):
+        patch.setenv(context_cache.ENV_SWITCH, "1")
+        found = lowering_cache.through(
+            _joint(), harness.compile_specs(SOC), (None, None), lambda: lowered, record, dict
+        )
+    assert found == lowered
+    assert "not stored (report: TypeError" in caplog.text
+    assert context_cache.entries(tmp_path) == []
 
 
 # --- entries that do not load ------------------------------------------------------

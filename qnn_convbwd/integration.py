@@ -750,6 +750,9 @@ def qnn_output_names(wrappers: list) -> list[str]:
     return names
 
 
+_captures = 0  # capture_qnn_graphs blocks running
+
+
 @contextlib.contextmanager
 def capture_qnn_graphs() -> Iterator[list[list[QnnOpInfo]]]:
     """Record the QNN ops executorch compiles, one list per partition, while active."""
@@ -776,7 +779,15 @@ def capture_qnn_graphs() -> Iterator[list[list[QnnOpInfo]]]:
         return wrappers
 
     backend._build_op_wrappers = staticmethod(observe)
+    global _captures
+    _captures += 1
     try:
         yield graphs
     finally:
+        _captures -= 1
         backend._build_op_wrappers = original
+
+
+def capturing_qnn_graphs() -> bool:
+    """Whether a ``capture_qnn_graphs`` block is running (a lowering must then build)."""
+    return _captures > 0

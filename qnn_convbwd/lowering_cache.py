@@ -104,12 +104,18 @@ def key_parts(
 
 
 def usable(compile_specs: Sequence[Any]) -> bool:
+    """Whether ``lower()`` goes through this cache: it is on, the backend is no Saver,
+    and nobody observes what a lowering builds (``integration.capture_qnn_graphs``,
+    ``passes.conv_batch_norm.observe_folds``: a hit would build nothing for them)."""
     from .partition.target import Target
+    from .passes import conv_batch_norm
 
     return (
         context_cache.enabled()
         and options.current.lowering_cache
         and not Target.from_compile_specs(list(compile_specs)).saver
+        and not integration.capturing_qnn_graphs()
+        and not conv_batch_norm.folds_observed()
     )
 
 

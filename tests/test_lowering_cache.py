@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import qnn_convbwd
-from qnn_convbwd import context_cache, lowering_cache, progress, training
+from qnn_convbwd import context_cache, integration, lowering_cache, progress, training
 from qnn_convbwd.passes import dropout
 from qnn_convbwd.toolchain import harness
 
@@ -265,6 +265,17 @@ print(json.dumps([hashlib.sha256(program.pte).hexdigest(), phases]))
     digest, phases = json.loads(done.stdout.strip().splitlines()[-1])
     assert digest == hashlib.sha256(before.pte).hexdigest()
     assert progress.CACHE_HIT in phases and progress.FINALIZE not in phases
+
+
+@pytest.mark.htp
+def test_a_lowering_whose_qnn_graphs_are_captured_is_built(first, monkeypatch):
+    """A tool capturing the QNN graphs (cost, the tests) needs them built: no hit."""
+    monkeypatch.setenv(context_cache.ENV_SWITCH, "1")
+    root, _, _ = first
+    with integration.capture_qnn_graphs() as graphs:
+        _, phases = _lower(root)
+    assert progress.BUILD in phases
+    assert len(graphs) == 1 and graphs[0]
 
 
 @pytest.mark.htp

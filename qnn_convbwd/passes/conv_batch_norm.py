@@ -69,6 +69,11 @@ def observe_folds(callback: Callable[[str, torch.Tensor], None]) -> Iterator[Non
         _fold_observers.remove(callback)
 
 
+def folds_observed() -> bool:
+    """Whether an ``observe_folds`` block is running (a lowering must then run the pass)."""
+    return bool(_fold_observers)
+
+
 # Ops the backward's scale of ``g`` is computed with (autograd's batch-norm backward:
 # rsqrt(var + eps) * gamma, unsqueezed to [C, 1, 1] / [1, C, 1, 1]).
 _SCALE_OPS = (

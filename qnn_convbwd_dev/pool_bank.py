@@ -39,19 +39,22 @@ def tied_input(shape, seed: int) -> torch.Tensor:
 
 
 class PoolBank(nn.Module):
-    """One max_pool2d_with_indices + its backward per config, on inputs (x_i, g_i)."""
+    """One max_pool2d_with_indices + its backward per config, on inputs (x_i, g_i);
+    returns each grad_input, preceded by the pooled values with ``with_values``."""
 
-    def __init__(self, configs) -> None:
+    def __init__(self, configs, with_values: bool = False) -> None:
         super().__init__()
         self.configs = list(configs)
+        self.with_values = with_values
 
     def forward(self, *tensors):
         out = []
         for config, x, g in zip(self.configs, tensors[0::2], tensors[1::2]):
-            _, indices = torch.ops.aten.max_pool2d_with_indices(x, *pool_args(config))
-            out.append(
-                torch.ops.aten.max_pool2d_with_indices_backward(g, x, *pool_args(config), indices)
+            values, indices = torch.ops.aten.max_pool2d_with_indices(x, *pool_args(config))
+            grad = torch.ops.aten.max_pool2d_with_indices_backward(
+                g, x, *pool_args(config), indices
             )
+            out += [values, grad] if self.with_values else [grad]
         return tuple(out)
 
     def inputs(self, seed: int = 0) -> tuple:

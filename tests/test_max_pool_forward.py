@@ -23,7 +23,7 @@ from torch import nn
 
 from qnn_convbwd import integration
 from qnn_convbwd.partition import max_pool
-from qnn_convbwd_dev.pool_bank import pool_args
+from qnn_convbwd_dev.pool_bank import PoolBank, pool_args
 
 BACKWARD = "max_pool2d_with_indices_backward"
 FORWARD = "max_pool2d_with_indices"
@@ -46,24 +46,6 @@ def plane(kind: str, size, seed: int) -> torch.Tensor:
     if kind == "few_values":  # quantised to 3 levels: ties everywhere
         return torch.clamp(torch.round(x), -1, 1)
     return x
-
-
-class ProbeIndices(nn.Module):
-    """A pool and its backward per config; returns the values and grad_input."""
-
-    def __init__(self, configs) -> None:
-        super().__init__()
-        self.configs = list(configs)
-
-    def forward(self, *tensors):
-        out = []
-        for config, x, g in zip(self.configs, tensors[0::2], tensors[1::2]):
-            values, indices = torch.ops.aten.max_pool2d_with_indices(x, *pool_args(config))
-            grad = torch.ops.aten.max_pool2d_with_indices_backward(
-                g, x, *pool_args(config), indices
-            )
-            out += [values, grad]
-        return tuple(out)
 
 
 def probe_inputs(configs, kind: str, seed: int):
@@ -117,7 +99,7 @@ def _probe_lowered(soc: str):
     from qnn_convbwd.toolchain import harness
 
     configs = list(CONFIGS.values())
-    probe = ProbeIndices(configs)
+    probe = PoolBank(configs, with_values=True)  # the values and grad_input per config
     with integration.capture_qnn_graphs() as graphs:
         program = torch.export.export(probe, probe_inputs(configs, "random", seed=0))
         compiled = harness.lower_program(program, soc)

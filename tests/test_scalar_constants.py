@@ -114,6 +114,39 @@ def test_a_trainable_scalar_is_not_a_constant():
     assert pair_scalar_constants(edge.graph_module, edge) == 0
 
 
+def test_constants_are_found_by_name_never_by_position():
+    """A placeholder is matched to the signature by its name, or by the ``b_``-prefixed
+    name executorch's QNN pass manager gives a buffer's placeholder; one that matches
+    neither is not a known constant (the graph's placeholder order need not be the
+    signature's, so its position says nothing) and is left alone."""
+    from qnn_convbwd.passes.scalar_constants import pair_scalar_constants
+
+    class Thirds(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("sixth", torch.tensor(1 / 6))
+            self.register_buffer("third", torch.tensor(1 / 3))
+
+        def forward(self, x):
+            return x * self.sixth, x * self.third
+
+    x = torch.randn(1, 4, 8, 8)
+    edge = _edge(Thirds(), x)
+    gm = edge.graph_module
+    expected = gm(*_flat_inputs(edge, (x,)))
+    sixth, third = (
+        next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name.endswith(name))
+        for name in ("sixth", "third")
+    )
+    sixth._rename(f"b_{sixth.name}")
+    third._rename("unrelated")
+    gm.recompile()
+    assert pair_scalar_constants(gm, edge) == 1
+    got = gm(*_flat_inputs(edge, (x,)))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=4 * PAIR_TOLERANCE, atol=0)
+
+
 def test_scalar_constants_option_is_validated():
     with pytest.raises(ValueError, match="scalar_constants"):
         qnn_convbwd.enable(scalar_constants="split")

@@ -78,24 +78,38 @@ def _constant_input(node: torch.fx.Node, edge_program) -> torch.Tensor | None:
     The joint graph lists its lifted constants (the decomposition's 3 and 6) as
     buffers. Inside executorch's QNN pass manager the graph's placeholder names
     can differ from the signature's (``b__lifted_tensor_constant2`` for
-    ``_lifted_tensor_constant2``): a placeholder is then matched by position.
+    ``_lifted_tensor_constant2``): a placeholder is then matched by that name.
+    Never by position: the graph's placeholders need not be in the signature's
+    order (a train-mode forward program lists its constants after the running
+    statistics), and a constant read from the wrong entry is a wrong number.
     """
     if edge_program is None or node.op != "placeholder":
         return None
     signature = edge_program.graph_signature
-    specs = signature.input_specs
-    spec = next((s for s in specs if s.arg.name == node.name), None)
+    spec = _input_spec(node, signature.input_specs)
     if spec is None:
-        placeholders = [n for n in node.graph.nodes if n.op == "placeholder"]
-        if len(placeholders) != len(specs):
-            return None
-        spec = specs[placeholders.index(node)]
+        return None
     if spec.kind.name == "BUFFER" and spec.target in set(signature.buffers_to_mutate.values()):
         return None
     if spec.kind.name not in ("BUFFER", "CONSTANT_TENSOR"):
         return None
     value = {**edge_program.state_dict, **edge_program.constants}.get(spec.target)
     return value if isinstance(value, torch.Tensor) and value.numel() == 1 else None
+
+
+def _input_spec(node: torch.fx.Node, specs) -> object | None:
+    """The input spec of placeholder ``node``: by name, else the unique spec whose name
+    or target, prefixed with ``b_`` as a buffer's placeholder is named, is the
+    placeholder's."""
+    found = next((s for s in specs if s.arg.name == node.name), None)
+    if found is not None:
+        return found
+    renamed = [
+        s
+        for s in specs
+        if node.name in (f"b_{s.arg.name}", f"b_{str(s.target).replace('.', '_')}")
+    ]
+    return renamed[0] if len(renamed) == 1 else None
 
 
 def _is(node: object, target) -> bool:

@@ -159,6 +159,29 @@ def test_rewritten_program_steps_as_torch_eager(variant):
             assert torch.equal(value, theirs[key]), key
 
 
+def test_forward_program_in_train_mode_is_rewritten():
+    """``torch.export.export`` of a model in ``train()`` (its forward, not a joint graph)
+    holds ``aten.batch_norm`` in the training IR; ``prepare`` rewrites it as it rewrites
+    a joint graph's, and leaves a model in ``eval()`` alone."""
+    torch.manual_seed(0)
+    model = Residual().train()
+    model.apply(_perturb_statistics)
+    x, _ = _inputs(model)
+    program = torch.export.export(copy.deepcopy(model), (x,))
+    assert len(train_mode.train_mode_nodes(program)) == 4
+    rewritten = train_mode.prepare(program)
+    assert train_mode.train_mode_nodes(rewritten) == []
+    ours = _run_joint(rewritten, x)
+    eager = copy.deepcopy(model)
+    expected = {("USER_OUTPUT", None): eager(x).detach()}
+    expected |= {("BUFFER_MUTATION", n): b for n, b in eager.named_buffers()}
+    assert set(ours) == set(expected)
+    for key, value in ours.items():
+        torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=str(key))
+    frozen = torch.export.export(copy.deepcopy(model).eval(), (x,))
+    assert train_mode.train_mode_nodes(frozen) == []
+
+
 def _perturb_statistics(module: nn.Module) -> None:
     """Running statistics other than the initial (0, 1), and a count other than 0: the
     update must read them, not assume them."""
@@ -336,6 +359,36 @@ def test_stock_flow_lowers_train_mode_batch_norm(qnn_sdk):
     assert sum("executorch_call_delegate" in str(n.target) for n in graph.nodes) == 1
     mutable = set(joint.graph_signature.buffers_to_mutate.values())
     _Trained(pte, model, x, y, 2, mutable).assert_like_torch()
+
+
+@pytest.mark.htp
+def test_forward_program_in_train_mode_lowers(qnn_sdk):
+    """The forward of a model in ``train()`` (no joint graph) lowers to one delegate: its
+    output and its running statistics after two calls are torch eager's."""
+    from executorch.extension.pybindings.portable_lib import _load_program_from_buffer
+
+    torch.manual_seed(0)
+    model = Residual().train()
+    model.apply(_perturb_statistics)
+    x, _ = _inputs(model)
+    program = torch.export.export(copy.deepcopy(model), (x,))
+    result = qnn_convbwd.lower(program, harness.compile_specs("SM8650"))
+    assert _delegates(result) == 1
+    with qnn_convbwd.enabled():
+        pte = result.edge.to_executorch(ExecutorchBackendConfig(emit_mutable_buffer_names=True))
+    data = bytes(pte.buffer)
+    method = _load_program_from_buffer(data).load_method("forward")
+    eager = copy.deepcopy(model)
+    for _ in range(2):
+        ours, theirs = method.call([x])[0], eager(x).detach()
+        assert float((ours - theirs).norm() / theirs.norm()) <= 3e-3
+    for name, theirs in eager.named_buffers():
+        ours = method.get_attribute(name)
+        if theirs.dtype.is_floating_point:
+            assert float((ours - theirs).norm() / theirs.norm()) <= 1e-3, name
+        else:
+            assert torch.equal(ours, theirs), name
+    del method
 
 
 @pytest.mark.htp

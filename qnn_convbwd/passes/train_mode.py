@@ -135,10 +135,33 @@ def decompositions() -> dict:
     }
 
 
+# Ops of a program not yet in core ATen (``torch.export.export``'s training IR)
+# that become ``_native_batch_norm_legit_functional`` in train mode, with the index
+# of their ``training`` argument (None: always train mode).
+_TRAINING_IR = {
+    aten.batch_norm.default: 5,
+    aten._batch_norm_with_update.default: None,
+    aten._batch_norm_with_update_functional.default: None,
+    aten._native_batch_norm_legit.default: 5,
+    aten.native_batch_norm.default: 5,
+}
+
+
+def _is_train_mode(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in decompositions():
+        return True
+    if node.target not in _TRAINING_IR:
+        return False
+    index = _TRAINING_IR[node.target]
+    return index is None or bool(node.args[index] if len(node.args) > index else False)
+
+
 def train_mode_nodes(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
-    """The program's nodes ``prepare`` rewrites."""
-    table = decompositions()
-    return [n for n in program.graph.nodes if n.op == "call_function" and n.target in table]
+    """The program's nodes ``prepare`` rewrites: train-mode batch norms, in core ATen
+    (a joint graph) or in the training IR ``torch.export.export`` gives."""
+    return [n for n in program.graph.nodes if _is_train_mode(n)]
 
 
 def prepare(

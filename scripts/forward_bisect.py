@@ -15,7 +15,10 @@ the rms error.
         [--blocks 3 4] [--prefix] [--set OPTION=VALUE ...]
 
 ``--prefix`` runs ``features[:k]`` from the net's input instead (the error as it
-accumulates).
+accumulates). ``--train-mode`` runs every block in ``train()`` (batch norms
+normalise with the batch's statistics, as in a training step; dropout stays
+off) on a batch of ``--batch``; the program then also updates the running
+statistics, which this does not judge.
 """
 
 from __future__ import annotations
@@ -102,13 +105,28 @@ def systematic(actual: torch.Tensor, reference: torch.Tensor) -> tuple[float, fl
     return gain, (err.mean().item() / rms) if rms else 0.0
 
 
-def measure(module: torch.nn.Module, x: torch.Tensor, soc: str) -> dict[str, float]:
-    module = module.eval()
+def _mode(module: torch.nn.Module, train: bool) -> torch.nn.Module:
+    """A copy of ``module`` in ``train()`` with its dropout off, or in ``eval()``.
+
+    In ``train()``, a batch norm with ``momentum=None`` (``zoo.calibrated`` leaves
+    the cumulative average) takes torch's default 0.1: the output is the same."""
+    module = copy.deepcopy(module).train(train)
+    for inner in module.modules():
+        if isinstance(inner, torch.nn.modules.dropout._DropoutNd):
+            inner.eval()
+        if train and isinstance(inner, torch.nn.modules.batchnorm._BatchNorm):
+            inner.momentum = 0.1 if inner.momentum is None else inner.momentum
+    return module
+
+
+def measure(
+    module: torch.nn.Module, x: torch.Tensor, soc: str, train: bool = False
+) -> dict[str, float]:
     with torch.no_grad(), reference_kernels.pinned():  # a lowering above turned oneDNN off
-        ref = module(x)
+        ref = _mode(module, train)(x)
     with torch.no_grad(), reference_kernels.fp16_kernels():
-        half = copy.deepcopy(module).half()(x.half()).float()
-    program = torch.export.export(module, (x,), strict=True)
+        half = _mode(module, train).half()(x.half()).float()
+    program = torch.export.export(_mode(module, train), (x,), strict=True)
     compiled = harness.lower_program(program, soc)
     out = compiled.run([x])[0]
     htp, floor = fidelity.Metrics.of(out, ref), fidelity.Metrics.of(half, ref)
@@ -132,6 +150,8 @@ def main() -> int:
     parser.add_argument("--soc", default="SM8650")
     parser.add_argument("--blocks", nargs="*", type=int, help="indices into the block list")
     parser.add_argument("--prefix", action="store_true", help="features[:k] from the input")
+    parser.add_argument("--train-mode", action="store_true", help="blocks in train()")
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument(
         "--set", nargs="*", default=[], metavar="OPTION=VALUE", help="qnn_convbwd options"
     )
@@ -143,15 +163,15 @@ def main() -> int:
 def bisect(args: argparse.Namespace) -> int:
     net = zoo.calibrated(args.arch, args.size)
     torch.manual_seed(0)
-    x = torch.randn(1, 3, args.size, args.size)
+    x = torch.randn(args.batch, 3, args.size, args.size)
     units = blocks(net)
     inputs = []
     with torch.no_grad(), reference_kernels.pinned():
         h = x
         for _, module in units:
             inputs.append(h)
-            h = module(h)
-        if not torch.allclose(h, net(x), rtol=1e-5, atol=1e-6):
+            h = _mode(module, args.train_mode)(h)
+        if not torch.allclose(h, _mode(net, args.train_mode)(x), rtol=1e-5, atol=1e-6):
             raise RuntimeError(f"{args.arch}: the blocks composed are not the net")
     chosen = args.blocks if args.blocks else range(len(units))
     print(
@@ -166,7 +186,7 @@ def bisect(args: argparse.Namespace) -> int:
             name, inp = f"[:{i + 1}] ... {name}", x
         else:
             inp = inputs[i]
-        m = measure(module, inp, args.soc)
+        m = measure(module, inp, args.soc, args.train_mode)
         print(
             f"| {i} | {name} | {tuple(inp.shape[1:])} | {m['delegates']} | {m['htp']:.3g} "
             f"| {m['fp16']:.3g} | {m['htp'] / m['fp16']:.2f} | {m['gain']:.2e} "

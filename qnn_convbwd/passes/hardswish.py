@@ -105,9 +105,7 @@ def _input_spec(node: torch.fx.Node, specs) -> object | None:
     if found is not None:
         return found
     renamed = [
-        s
-        for s in specs
-        if node.name in (f"b_{s.arg.name}", f"b_{str(s.target).replace('.', '_')}")
+        s for s in specs if node.name in (f"b_{s.arg.name}", f"b_{str(s.target).replace('.', '_')}")
     ]
     return renamed[0] if len(renamed) == 1 else None
 

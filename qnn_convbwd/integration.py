@@ -47,6 +47,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.builders.qnn_constants", "OpConv2d", "QNN op/param names (grad_weight)"),
     (f"{_QC}.builders.qnn_constants", "OpDepthWiseConv2d", "QNN op/param names (run-time weight)"),
     (f"{_QC}.builders.qnn_constants", "OpConv3d", "QNN op/param names (3-D grad_weight)"),
+    (f"{_QC}.builders.qnn_constants", "OpMatMul", "QNN op/param names (pointwise grad_weight)"),
     (f"{_QC}.builders.qnn_constants", "OpReduceSum", "QNN op/param names (grad_bias)"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "TensorWrapper", "static tensors with own names"),
     (f"{_QC}.builders.utils", "get_parameter", "reads static weights"),

@@ -171,8 +171,10 @@ def test_measured_demo_macs_by_hand(demo_cost):
     fwd = 14_400 + 259_200 + 147_456 + 9_216 + 8_192
     assert demo_cost.ideal_total() == fwd + (fwd - 14_400) + 14_400
     assert plugin.backward_delegated == "5 of 5" and not plugin.cpu_macs
-    # Conv2d: the forward convs (depthwise apart) and the adapter's grad_weight
-    assert plugin.qnn_macs["Conv2d"] == fwd - 9_216 + 14_400
+    # Conv2d: the forward convs (depthwise apart); the 1x1 adapter's grad_weight is a
+    # MatMul (builders/weight_gradient.py), at the ideal count
+    assert plugin.qnn_macs["Conv2d"] == fwd - 9_216
+    assert plugin.qnn_macs["MatMul"] == 14_400
     assert plugin.qnn_macs["DepthWiseConv2d"] == 9_216
     # grad_input: the stride-2 conv's as four phase TransposeConv2d (Options.stride="phases"),
     # their taps 4 + 2 + 2 + 1 of the 3x3 kernel on the 8x8 grad_output: the ideal count

@@ -13,6 +13,7 @@ to fp16.
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -37,6 +38,30 @@ CONFIGS = [
 ]
 
 
+# Pointwise convolutions (one-tap kernel, no padding, one group): grad_weight is one
+# MatMul over M = N * prod(out) rows (builders/weight_gradient.py). M below: 35, 60,
+# 64, 45, 99, 60, 24, 60, 50 (most not multiples of 32); batch 1 to 3; C_in or C_out 1.
+POINTWISE = [
+    Config(1, 16, 8, (1, 1), (1, 1), (0, 0), 1, (7, 5), mask=MASKS[2]),
+    Config(2, 3, 24, (1, 1), (1, 1), (0, 0), 1, (6, 5), mask=MASKS[0]),
+    Config(1, 32, 64, (1, 1), (1, 1), (0, 0), 1, (8, 8), mask=MASKS[1]),
+    Config(3, 8, 1, (1, 1), (1, 1), (0, 0), 1, (5, 3), mask=MASKS[2]),
+    Config(1, 1, 8, (1, 1), (1, 1), (0, 0), 1, (9, 11), mask=MASKS[0]),
+    # Strided: the input is sampled by a StridedSlice first (odd and even sizes).
+    Config(2, 8, 16, (1, 1), (2, 2), (0, 0), 1, (9, 10), mask=MASKS[1]),
+    Config(1, 8, 12, (1, 1), (1, 3), (0, 0), 1, (4, 16), dilation=(2, 2), mask=MASKS[2]),
+    # 3-D: NDHWC flattened the same way.
+    Config(2, 4, 6, (1, 1, 1), (1, 1, 1), (0, 0, 0), 1, (3, 2, 5), mask=MASKS[1]),
+    Config(2, 4, 6, (1, 1, 1), (2, 1, 2), (0, 0, 0), 1, (9, 5, 9), mask=MASKS[0]),
+]
+# Kernels of one tap that are not pointwise, and one that is not one tap: still a Conv.
+NOT_POINTWISE = [
+    Config(1, 8, 8, (1, 1), (1, 1), (1, 1), 1, (6, 6), mask=MASKS[2]),  # padded
+    Config(2, 8, 8, (1, 1), (1, 1), (0, 0), 2, (6, 7), mask=MASKS[2]),  # grouped
+    Config(1, 8, 8, (3, 3), (1, 1), (1, 1), 1, (6, 6), mask=MASKS[2]),
+]
+
+
 def _check(compiled, bank: ConvBackwardBank) -> float:
     return assert_bank_matches(compiled, bank, BOUND_FACTOR)
 
@@ -49,6 +74,53 @@ def test_weight_bias_and_dilated_gradients_match_aten(qnn_sdk, soc):
     compiled = harness.lower_program(bank.export(), soc)
     assert compiled.report.delegated == len(CONFIGS)
     assert harness.delegate_count(compiled.edge) == 1
+    _check(compiled, bank)
+
+
+@pytest.mark.parametrize("soc", sweep(["SM8650"], ["SM8550", "SM8850"]))
+def test_pointwise_weight_gradients_match_aten(qnn_sdk, soc):
+    from qnn_convbwd import integration
+    from qnn_convbwd.toolchain import harness
+
+    bank = ConvBackwardBank(POINTWISE)
+    with integration.capture_qnn_graphs() as graphs:
+        compiled = harness.lower_program(bank.export(), soc)
+    assert compiled.report.delegated == len(POINTWISE)
+    types = [op.op_type for graph in graphs for op in graph]
+    assert types.count("MatMul") == sum(c.mask[1] for c in POINTWISE)
+    assert "Conv2d" not in types and "Conv3d" not in types, sorted(set(types))
+    _check(compiled, bank)
+
+
+def test_only_pointwise_weight_gradients_are_a_matmul(qnn_sdk):
+    """grad_weight of a pointwise convolution is a MatMul of the input and grad_output,
+    each ``[M, C]``; a padded or grouped one-tap kernel, and a 3x3 one, stay a Conv2d
+    whose filter is grad_output (a run-time tensor)."""
+    from qnn_convbwd import integration
+    from qnn_convbwd.toolchain import harness
+
+    configs = [POINTWISE[0], POINTWISE[5], *NOT_POINTWISE]
+    bank = ConvBackwardBank(configs)
+    with integration.capture_qnn_graphs() as graphs:
+        compiled = harness.lower_program(bank.export(), "SM8650")
+    assert compiled.report.delegated == len(configs)
+    ops = [op for graph in graphs for op in graph]
+    matmuls = sorted(
+        (op.inputs[0].dims, op.inputs[1].dims, op.outputs[0].dims)
+        for op in ops
+        if op.op_type == "MatMul"
+    )
+    # The bank's weights are frozen: grad_weight leaves as OIHW, so the product is
+    # [C_out, C_in] (grad_output first, transposed).
+    expected = []
+    for c in configs[:2]:
+        rows = c.batch * math.prod(c.output_size)
+        expected.append(((rows, c.cout), (rows, c.cin), (c.cout, c.cin)))
+    assert matmuls == sorted(expected)
+    assert all(not t.is_static for op in ops if op.op_type == "MatMul" for t in op.inputs)
+    convs = [op for op in ops if op.op_type == "Conv2d"]
+    assert len(convs) == len(NOT_POINTWISE)
+    assert all(not op.inputs[1].is_static for op in convs)
     _check(compiled, bank)
 
 

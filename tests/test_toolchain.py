@@ -237,10 +237,10 @@ _OPTIMIZATION_CHILD = textwrap.dedent(
     import qnn_convbwd
     from qnn_convbwd.toolchain import harness
 
-    class Step(torch.nn.Module):  # grad_weight of a 1x1 stride-2 256 -> 512 convolution
+    class Step(torch.nn.Module):  # grad_weight of a 3x3 stride-2 256 -> 512 convolution
         def __init__(self):
             super().__init__()
-            self.conv = torch.nn.Conv2d(256, 512, 1, stride=2, bias=False)
+            self.conv = torch.nn.Conv2d(256, 512, 3, stride=2, padding=1, bias=False)
 
         def forward(self, x, target):
             return ((self.conv(x) - target) ** 2).mean()

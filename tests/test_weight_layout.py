@@ -91,16 +91,22 @@ def test_the_program_computes_what_the_torch_layout_computes(demo):
 
 
 class _Shapes(torch.nn.Module):
-    """Strided, grouped, dilated and 3-D convolutions, every weight trained."""
+    """Strided, grouped, dilated, pointwise and 3-D convolutions, every weight trained.
+
+    The pointwise ones' grad_weight is a MatMul whose operand order follows the
+    layout (``[C_in, C_out]`` for HWIO, ``[C_out, C_in]`` for OIHW)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.strided = torch.nn.Conv2d(4, 8, 3, stride=2, padding=1)
         self.grouped = torch.nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=2, bias=False)
+        self.pointwise = torch.nn.Conv2d(8, 6, 1)
+        self.downsample = torch.nn.Conv2d(4, 6, 1, stride=2, bias=False)
         self.volume = torch.nn.Conv3d(2, 4, (2, 3, 1), stride=(1, 2, 1))
 
     def forward(self, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         y = self.grouped(torch.relu(self.strided(x)))
+        y = self.pointwise(torch.relu(y)) + self.downsample(x)
         return y.square().mean() + self.volume(v).square().mean()
 
 
@@ -116,6 +122,11 @@ def test_other_convolutions_compute_what_the_torch_layout_computes(qnn_sdk):
     # the forward and the backward land in two delegates: each reads the weight as HWIO
     _, graphs, _ = lowered["hwio"]
     assert len(graphs) == 2
+    for layout, product in (("hwio", [(8, 6), (4, 6)]), ("torch", [(6, 8), (6, 4)])):
+        ops = [op for ops in lowered[layout][1] for op in ops]
+        assert sorted(op.outputs[0].dims for op in ops if op.op_type == "MatMul") == sorted(
+            product
+        ), layout
     dims = {t.dims for ops in graphs for op in ops for t in (*op.inputs, *op.outputs)}
     weights = [p for p in case.model.parameters() if p.dim() >= 4]
     assert not [tuple(p.shape) for p in weights if tuple(p.shape) in dims]

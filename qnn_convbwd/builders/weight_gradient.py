@@ -13,6 +13,11 @@ grad_weight in HWIO order up to one Transpose to torch's OIHW. The same holds
 per spatial dim for a 3-D convolution (Conv3d, NDHWC; the index lists below are
 built over the spatial dims).
 
+A pointwise convolution (``ConvBackward.is_pointwise``: one-tap kernel, no
+padding, one group) is the exception: its grad_weight is one MatMul of the
+flattened input and grad_output (``_pointwise_weight_gradient``), the same
+multiply-adds without a run-time filter.
+
 The filter is a runtime tensor (it is grad_output), which the HTP accepts for
 Conv2d and Conv3d. Alternatives considered: a MatMul over im2col patches needs the patch
 extraction as many StridedSlice/Concat ops (one per kernel tap) and a
@@ -83,6 +88,61 @@ def _stuff_zeros(name: str, source, shape, factors, dtype, visitor, n2w) -> tupl
     return [*ops, op], result
 
 
+def _pointwise_weight_gradient(
+    visitor,
+    node: torch.fx.Node,
+    conv: geo.ConvBackward,
+    x,
+    x_shape: Sequence[int],  # NHWC
+    grad_output,
+    grad_output_shape: Sequence[int],  # NHWC
+    result,
+    nodes_to_wrappers,
+    result_order: Sequence[int],
+) -> list:
+    """grad_weight of a ``conv.is_pointwise`` convolution as one MatMul.
+
+    With a one-tap kernel and no padding, ``gw[o, i] = sum_{n, y} g[n, o, y] *
+    x[n, i, y * s]``: the input read at every s-th element (a StridedSlice where
+    some stride is > 1) and grad_output, each flattened to ``[M, C]`` with
+    ``M = N * prod(out)``, multiplied with the first operand transposed. The
+    operands are taken in the order in which the result holds O and I, so a
+    Reshape (the kernel dims are 1) writes it.
+    """
+    dtype = conv.dtype
+    base = f"{node.name}_gw"
+    n, *spatial, cin = (int(v) for v in x_shape)
+    out = [int(v) for v in grad_output_shape[1:-1]]
+    ops = []
+    if any(s > 1 for s in conv.stride):
+        ranges = [[0, n, 1], *([0, i, s] for i, s in zip(spatial, conv.stride)), [0, cin, 1]]
+        sampled = qnn_ops.native_tensor(
+            visitor, f"{base}_sampled", [n, *out, cin], dtype, nodes_to_wrappers
+        )
+        ops.append(qnn_ops.strided_slice(f"{base}_sample", x, sampled, ranges))
+        x = sampled
+    rows = n * math.prod(out)
+    op, x2d = _reshape(f"{base}_x2d", x, [rows, cin], dtype, visitor, nodes_to_wrappers)
+    ops.append(op)
+    op, g2d = _reshape(
+        f"{base}_g2d", grad_output, [rows, conv.out_channels], dtype, visitor, nodes_to_wrappers
+    )
+    ops.append(op)
+    # OIHW dim 0 is O, dim 1 is I.
+    if result_order.index(0) < result_order.index(1):
+        operands, shape = [g2d, x2d], [conv.out_channels, cin]
+    else:
+        operands, shape = [x2d, g2d], [cin, conv.out_channels]
+    product = qnn_ops.native_tensor(visitor, f"{base}_product", shape, dtype, nodes_to_wrappers)
+    names = integration.get("OpMatMul")
+    matmul = qnn_ops.new_op(f"{base}_matmul", names.op_name, operands, [product])
+    qnn_ops.bool_scalar(matmul, names.param_transpose_in0, True)
+    qnn_ops.bool_scalar(matmul, names.param_transpose_in1, False)
+    ops.append(matmul)
+    ops.append(qnn_ops.reshape(f"{base}_result", product, result))
+    return ops
+
+
 # QNN's convolution for each number of spatial dims (1-D is lifted to 2-D).
 _CONV_OPS = {2: "OpConv2d", 3: "OpConv3d"}
 
@@ -105,6 +165,21 @@ def weight_gradient(
     x_node = visitor.get_node(node.args[geo.INPUT])
     x_value = visitor.get_tensor(x_node, node)  # NHWC
     x = visitor.define_tensor(x_node, node, x_value, native, nodes_to_wrappers)
+    if result_order is None:
+        result_order = tuple(range(conv.rank))
+    if conv.is_pointwise:
+        return _pointwise_weight_gradient(
+            visitor,
+            node,
+            conv,
+            x,
+            list(x_value.shape),
+            grad_output,
+            grad_output_shape,
+            result,
+            nodes_to_wrappers,
+            result_order,
+        )
     n, *spatial, cin = (int(v) for v in x_value.shape)
     dims = list(range(1, 1 + len(spatial)))  # spatial axes of an NHWC tensor
     last = len(spatial) + 1  # channel axis of an NHWC tensor
@@ -218,8 +293,6 @@ def weight_gradient(
 
     # [Cg, *k, C_out] holds the OIHW dims (1, *k, 0); the result holds them in result_order.
     computed_order = (1, *(1 + d for d in dims), 0)
-    if result_order is None:
-        result_order = tuple(range(len(computed_order)))
     perm = [computed_order.index(d) for d in result_order]
     if perm == sorted(perm):
         ops.append(qnn_ops.reshape(f"{base}_result", hwio, result))

@@ -122,6 +122,18 @@ class ConvBackward:
         """Every group reads one input channel (MobileNet-style)."""
         return self.groups > 1 and self.groups == self.in_channels
 
+    @property
+    def is_pointwise(self) -> bool:
+        """A one-tap kernel, no padding, one group: each output element reads one input
+        element (at ``y * s`` per spatial dim), so grad_weight is a matrix product
+        (``builders/weight_gradient.py``). Dilation moves no tap of a one-tap kernel."""
+        return (
+            not self.transposed
+            and self.groups == 1
+            and all(k == 1 for k in self.kernel)
+            and not any(self.padding)
+        )
+
     def transposed_output_padding(self) -> tuple[int, ...]:
         """output_padding of the transposed conv that maps grad_output back to input's size.
 

@@ -56,8 +56,14 @@ MAGIC = b"QNNCTX01"
 SUFFIX = ".ctx"
 FORMAT = 1  # bumped when the key or the entry layout changes
 _HEADER_LEN_BYTES = 4
-# Options that do not change the binary (where and how much to cache).
-CACHE_OPTIONS = ("context_cache", "context_cache_dir", "context_cache_bytes", "lowering_cache")
+# Options that do not change the binary (where and how much to cache, how many at once).
+CACHE_OPTIONS = (
+    "context_cache",
+    "context_cache_dir",
+    "context_cache_bytes",
+    "lowering_cache",
+    "finalize_workers",
+)
 
 
 def default_dir() -> Path:

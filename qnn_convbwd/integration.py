@@ -129,7 +129,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (
         f"{_QC}.qnn_preprocess",
         "QnnBackend.preprocess_multimethod",
-        "timed by qnn_convbwd_dev.lowering_time",
+        "patched: delegates finalised in forked processes; timed by qnn_convbwd_dev.lowering_time",
     ),
     (f"{_QC}.python.PyQnnManagerAdaptor", "PyQnnOpWrapper", "builds QNN ops"),
     (f"{_QC}.python.PyQnnManagerAdaptor", "Qnn_TensorType_t", "QNN tensor types"),
@@ -378,6 +378,11 @@ class Hooks:
     # op_wrapper_lists)`` is executorch's; ``edge_programs`` the delegates' programs
     # built since the previous Compile, in build order.
     compile: Callable[[Callable[[Any, Any], Any], Any, Any, Any, list], Any] | None = None
+    # Stands in for QnnBackend.preprocess_multimethod: (original, edge_programs,
+    # compile_specs, build_observed) -> its result; ``original`` is executorch's, and
+    # ``build_observed`` is True when something wrapped the delegates' build on top of
+    # the plugin's (capture_qnn_graphs, a profiler): it must then run in process.
+    preprocess: Callable[[Callable[[Any, Any], Any], Any, Any, bool], Any] | None = None
 
 
 # executorch's visitor of the forward convolution, wrapped when conv_define is set.
@@ -646,12 +651,26 @@ class _CompilingManager:
 
 def _patch_preprocess(p: _Patches, hooks: Hooks) -> None:
     """executorch's QnnBackend: its ops' build and the manager's Compile, hooked."""
-    if hooks.after_build is None and hooks.before_build is None and hooks.compile is None:
+    if (
+        hooks.after_build is None
+        and hooks.before_build is None
+        and hooks.compile is None
+        and hooks.preprocess is None
+    ):
         return
     backend = owner("QnnBackend._build_op_wrappers")
     preprocess = owner("get_current_qnn_manager")
     orig_build = backend.__dict__["_build_op_wrappers"].__func__
     built = _BuiltPrograms()
+
+    if hooks.preprocess is not None:
+        orig_multimethod = backend.__dict__["preprocess_multimethod"].__func__
+
+        def multimethod(edge_programs, compile_specs):
+            observed = backend.__dict__["_build_op_wrappers"] is not ours
+            return hooks.preprocess(orig_multimethod, edge_programs, compile_specs, observed)
+
+        p.set_attr(backend, "preprocess_multimethod", staticmethod(multimethod))
 
     def build(edge_program, *args, **kwargs):
         if hooks.before_build is not None:
@@ -663,7 +682,8 @@ def _patch_preprocess(p: _Patches, hooks: Hooks) -> None:
             built.programs.append(edge_program)
         return wrappers
 
-    p.set_attr(backend, "_build_op_wrappers", staticmethod(build))
+    ours = staticmethod(build)
+    p.set_attr(backend, "_build_op_wrappers", ours)
 
     if hooks.compile is None:
         return

@@ -134,6 +134,10 @@ class Options:
     # per partition, as executorch makes them. A smaller graph finalises much faster
     # in QAIRT (docs/zoo.md); each cut adds delegate inputs and outputs.
     max_delegate_ops: int | None = None
+    # How many of a program's delegates are built and finalised at once, each in a
+    # process forked from the lowering (parallel_finalize). None: as many as the
+    # cores this process may use; 1: in process, one after another.
+    finalize_workers: int | None = None
     # Seed of the train-mode dropout masks (passes.dropout): each draw's hash keys
     # derive from it. None: drawn from torch's RNG when the program is lowered
     # (``torch.manual_seed`` then makes a lowering reproducible).
@@ -181,6 +185,13 @@ class Options:
         ):
             raise ValueError(
                 f"qnn_convbwd option max_delegate_ops={self.max_delegate_ops!r} must be None "
+                "or a positive int"
+            )
+        if self.finalize_workers is not None and (
+            type(self.finalize_workers) is not int or self.finalize_workers < 1
+        ):
+            raise ValueError(
+                f"qnn_convbwd option finalize_workers={self.finalize_workers!r} must be None "
                 "or a positive int"
             )
         if self.dropout_seed is not None and (

@@ -19,8 +19,9 @@ adds its stages at these points, in this order:
 ``partition``       executorch's ``QnnOperatorSupport`` asks the partition rules
                     (``partition.verdict.REGISTRY``, run by ``partition.judge``)
 ``after_partition`` on the tagged program, before executorch's preprocess
-``build``           ``QnnBackend.preprocess``: node visitors, the layout pass's
-                    view of the plugin's ops, each delegate's QNN ops
+``build``           ``QnnBackend.preprocess``: the delegates spread over forked
+                    processes, node visitors, the layout pass's view of the
+                    plugin's ops, each delegate's QNN ops
 ``compile``         the QNN manager's ``Compile`` of a context binary
 ``emit``            ``to_executorch``: the training metadata of a joint program
 ==================  ==========================================================
@@ -39,7 +40,7 @@ import functools
 from typing import Any
 
 from . import after_partition as after
-from . import context_cache, delegate_io, integration, progress, signature
+from . import context_cache, delegate_io, integration, parallel_finalize, progress, signature
 from .partition import judge
 from .partition.target import Target
 from .passes import canonicalize, layout, preserve_output_dtypes, record_output_dtypes
@@ -122,6 +123,12 @@ def _request_htp_optimization(edge_program: Any, partition_tags: dict) -> None:
     from .toolchain.sdk import request_htp_optimization
 
     request_htp_optimization(options.current.htp_optimization)
+
+
+def _preprocess(original, edge_programs, compile_specs, build_observed: bool):
+    return parallel_finalize.preprocess(
+        original, edge_programs, compile_specs, build_observed=build_observed
+    )
 
 
 def _before_build(edge_program: Any) -> None:
@@ -471,6 +478,15 @@ def stages() -> tuple[Stage, ...]:
             "weight in the HWIO layout folded into the convolutions that read it",
             gate="weight_layout",
             hook="visitor_wraps",
+        ),
+        Stage(
+            "build",
+            "parallel_finalize",
+            _preprocess,
+            "a program's delegates built and finalised in forked processes, several at "
+            "once, in place of executorch's one-after-another loop",
+            gate="finalize_workers",
+            hook="preprocess",
         ),
         Stage(
             "build",

@@ -6,7 +6,10 @@ nothing: the CLI renders the events as a progress line on a terminal.
 
 Phases, in order: ``export passes`` (the program's passes before partitioning),
 ``partition``, then per delegate ``QNN graph build`` and either ``finalize``
-(QAIRT compiles the context binary) or ``cache hit`` (``context_cache``).
+(QAIRT compiles the context binary) or ``cache hit`` (``context_cache``). Where
+the delegates are finalised in forked processes (``parallel_finalize``), one
+``finalize in parallel`` event per delegate done takes the per-delegate phases'
+place.
 
 Besides the phases, the package's long calls (lowering, a simulator run, training
 side by side, a Saver recording, a probe in a child process) are marked with
@@ -37,6 +40,7 @@ PARTITION = "partition"
 BUILD = "QNN graph build"
 FINALIZE = "finalize"
 CACHE_HIT = "cache hit"
+PARALLEL = "finalize in parallel"  # parallel_finalize: delegates built in forked processes
 DONE = "done"
 
 
@@ -48,6 +52,8 @@ class Event:
     delegates: int | None = None  # known once partitioning is done
 
     def describe(self) -> str:
+        if self.phase == PARALLEL:
+            return f"{self.phase}: {self.delegate}/{self.delegates} done ({self.elapsed:.1f} s)"
         where = ""
         if self.delegate is not None:
             where = f"delegate {self.delegate}/{self.delegates or '?'}: "
@@ -141,13 +147,37 @@ def delegate_done() -> None:
             _current = None
 
 
+def parallel_finalize(done: int, delegates: int) -> None:
+    """``done`` of ``delegates`` finalised in forked processes; the last one ends a
+    stock-flow run."""
+    global _current
+    with _lock:
+        if _current is None:
+            _current = _Run(time.perf_counter(), owned=False)
+        _current.delegate = done
+        _current.delegates = delegates
+    _emit(PARALLEL)
+    if done == delegates:
+        delegate_done()
+
+
+def detach() -> None:
+    """In a forked child: report nothing (the parent reports), and take a fresh lock
+    (another thread of the parent may have held this one at the fork)."""
+    global _lock, _current
+    _lock = threading.Lock()
+    _observers.clear()
+    _call_observers.clear()
+    _current = None
+
+
 def _emit(name: str) -> None:
     with _lock:
         run_ = _current
         observers = list(_observers)
     if run_ is None:
         return
-    per_delegate = name in (BUILD, FINALIZE, CACHE_HIT)
+    per_delegate = name in (BUILD, FINALIZE, CACHE_HIT, PARALLEL)
     event = Event(
         phase=name,
         elapsed=time.perf_counter() - run_.start,

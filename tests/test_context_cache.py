@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import io
 import logging
@@ -347,9 +348,12 @@ def test_the_cli_progress_line_names_phase_and_delegate(qnn_sdk, monkeypatch):
 def test_split_delegates_each_reuse_their_binary(qnn_sdk, monkeypatch, tmp_path):
     """Lowered again in one process, the delegates' inserted ops have other names
     (graph outputs among them): the binaries are reused, and the program computes
-    what a program compiled afresh with the new names computes."""
+    what a program compiled afresh with the new names computes. In process
+    (``finalize_workers=1``), so that every delegate's phase is seen here; forked
+    finalisation through the cache: test_parallel_finalize.py."""
     monkeypatch.setenv(context_cache.ENV_SWITCH, "1")
     case = frozen_case()
+    lower = functools.partial(globals()["lower"], finalize_workers=1)
     before = lower(case, tmp_path, max_delegate_ops=15)
     count = len(before.binaries)
     assert count >= 2

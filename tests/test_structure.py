@@ -315,7 +315,7 @@ LAYERS = (
     {"partition"},
     {"passes", "builders"},
     {"toolchain", "after_partition"},
-    {"context_cache", "device"},
+    {"context_cache", "device", "parallel_finalize"},
     {"lowering_cache"},
     {"pipeline"},
     {"api"},

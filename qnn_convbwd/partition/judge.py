@@ -507,6 +507,26 @@ def recorded_fallbacks(names: Collection[str] = ()) -> list[Fallback]:
     return found
 
 
+def fallback_keys() -> frozenset[tuple[str, str]]:
+    """The (node, asked) of the fallbacks recorded so far in the lowering under way."""
+    return frozenset(_fallbacks.get() or ())
+
+
+def fallbacks_since(keys: Collection[tuple[str, str]]) -> list[tuple]:
+    """The fallbacks recorded since ``fallback_keys()`` returned ``keys``, in order,
+    as ``merge_fallbacks`` takes them (a forked build sends them to its parent)."""
+    return [(key, entry) for key, entry in (_fallbacks.get() or {}).items() if key not in keys]
+
+
+def merge_fallbacks(entries: list[tuple]) -> None:
+    """Add fallbacks recorded elsewhere (``fallbacks_since``) to the lowering under way."""
+    kept = _fallbacks.get()
+    if kept is None:
+        return
+    for key, entry in entries:
+        kept.setdefault(key, entry)
+
+
 def recorded(name: str) -> Decision | None:
     """The latest verdict on ``name`` in the lowering under way (``recording``)."""
     verdicts = _recorded.get()

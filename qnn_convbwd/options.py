@@ -136,7 +136,7 @@ class Options:
     max_delegate_ops: int | None = None
     # How many of a program's delegates are built and finalised at once, each in a
     # process forked from the lowering (parallel_finalize). None: as many as the
-    # cores this process may use; 1: in process, one after another.
+    # cores this process may use, at most 4; 1: in process, one after another.
     finalize_workers: int | None = None
     # Seed of the train-mode dropout masks (passes.dropout): each draw's hash keys
     # derive from it. None: drawn from torch's RNG when the program is lowered

@@ -58,9 +58,15 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+# The default bound on processes at once: each holds a QAIRT finalisation, which takes
+# up to a few GB on a large graph (docs/results.md, peak memory of a lowering).
+DEFAULT_WORKERS = 4
+
+
 def workers() -> int:
-    """How many delegates are finalised at once (``finalize_workers``, else the cores)."""
-    return options.current.finalize_workers or available_cores()
+    """How many delegates are finalised at once: ``finalize_workers``, else the cores
+    this process may use, at most ``DEFAULT_WORKERS``."""
+    return options.current.finalize_workers or min(available_cores(), DEFAULT_WORKERS)
 
 
 def _why_in_process(partitions: int, compile_specs: list, build_observed: bool) -> str:

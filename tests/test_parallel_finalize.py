@@ -177,3 +177,12 @@ def test_forked_finalisation_stores_and_reuses_context_binaries(qnn_sdk, monkeyp
     assert len(first) >= 2
     assert len(context_cache.entries(tmp_path)) == len(first)
     assert binaries() == first
+
+
+def test_default_workers_are_the_cores_at_most_four(monkeypatch):
+    for cores, expected in ((1, 1), (2, 2), (16, parallel_finalize.DEFAULT_WORKERS)):
+        monkeypatch.setattr(parallel_finalize, "available_cores", lambda cores=cores: cores)
+        with qnn_convbwd.enabled(finalize_workers=None):
+            assert parallel_finalize.workers() == expected
+    with qnn_convbwd.enabled(finalize_workers=7):
+        assert parallel_finalize.workers() == 7

@@ -380,8 +380,8 @@ class Hooks:
     compile: Callable[[Callable[[Any, Any], Any], Any, Any, Any, list], Any] | None = None
     # Stands in for QnnBackend.preprocess_multimethod: (original, edge_programs,
     # compile_specs, build_observed) -> its result; ``original`` is executorch's, and
-    # ``build_observed`` is True when something wrapped the delegates' build on top of
-    # the plugin's (capture_qnn_graphs, a profiler): it must then run in process.
+    # ``build_observed`` is True while capture_qnn_graphs runs or something wrapped the
+    # delegates' build on top of the plugin's (a profiler): it must then run in process.
     preprocess: Callable[[Callable[[Any, Any], Any], Any, Any, bool], Any] | None = None
 
 
@@ -667,7 +667,9 @@ def _patch_preprocess(p: _Patches, hooks: Hooks) -> None:
         orig_multimethod = backend.__dict__["preprocess_multimethod"].__func__
 
         def multimethod(edge_programs, compile_specs):
-            observed = backend.__dict__["_build_op_wrappers"] is not ours
+            # A wrapper on top of the plugin's build, or capture_qnn_graphs entered
+            # before the plugin was installed (its wrapper is then underneath).
+            observed = capturing_qnn_graphs() or backend.__dict__["_build_op_wrappers"] is not ours
             return hooks.preprocess(orig_multimethod, edge_programs, compile_specs, observed)
 
         p.set_attr(backend, "preprocess_multimethod", staticmethod(multimethod))

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import qnn_convbwd
-from qnn_convbwd import options, parallel_finalize, progress, training
+from qnn_convbwd import integration, options, parallel_finalize, progress, training
 from qnn_convbwd.partition import judge
 from qnn_convbwd.toolchain import harness
 from qnn_convbwd_dev import models
@@ -186,3 +186,14 @@ def test_default_workers_are_the_cores_at_most_four(monkeypatch):
             assert parallel_finalize.workers() == expected
     with qnn_convbwd.enabled(finalize_workers=7):
         assert parallel_finalize.workers() == 7
+
+
+@pytest.mark.htp
+def test_qnn_graphs_captured_around_the_lowering_are_all_seen(qnn_sdk):
+    """``capture_qnn_graphs`` entered before the plugin is installed wraps the build
+    underneath the plugin's: the delegates are then built in process, every one seen."""
+    case = models.adapter_case("demo", trainable=True)
+    with integration.capture_qnn_graphs() as graphs:
+        lowered = _lower(case, 2)
+    assert len(graphs) == harness.delegate_count(lowered.edge) >= 3
+    assert all(graphs)

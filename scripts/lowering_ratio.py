@@ -9,7 +9,9 @@ in a new process, the training graph lowered again through the cache (whole
 lowerings and context binaries). The cache lives in a fresh directory per model, so
 the first lowering compiles. Prints one Markdown row per model, with the time
 QAIRT's finalisation took in the training graph's lowering (from
-``qnn_convbwd.progress``).
+``qnn_convbwd.progress``; "forked" where several delegates were finalised in
+forked processes, which report no phases). ``--max-delegate-ops N`` splits the
+delegates (the option of that name) in every lowering.
 
     PYTHONPATH=. python scripts/lowering_ratio.py resnet18:last-layers \
         mobilenet_v2:full --soc SM8650 --weight-layout hwio
@@ -37,10 +39,13 @@ HEADER = (
 )
 
 
-def _finalize_seconds(events: list) -> float:
-    """Seconds between each ``finalize`` event and the next event, summed."""
+def _finalize_seconds(events: list) -> float | None:
+    """Seconds between each ``finalize`` event and the next event, summed; None when
+    the delegates were finalised in forked processes (they report no phases)."""
     from qnn_convbwd import progress
 
+    if any(event.phase == progress.PARALLEL for event in events):
+        return None
     return sum(
         later.elapsed - event.elapsed
         for event, later in zip(events, events[1:])
@@ -59,7 +64,11 @@ def lower_once(arch: str, scheme: str, args: argparse.Namespace) -> dict:
     x = torch.randn(args.batch, 3, args.size, args.size, generator=torch.Generator().manual_seed(0))
     y = torch.arange(args.batch) % 10
     found: dict = {"arch": arch, "scheme": scheme}
-    options = {"weight_layout": args.weight_layout, "context_cache_dir": args.cache_dir}
+    options = {
+        "weight_layout": args.weight_layout,
+        "context_cache_dir": args.cache_dir,
+        "max_delegate_ops": args.max_delegate_ops,
+    }
     with qnn_convbwd.enabled(**options):
         if not args.only_training:
             program = torch.export.export(copy.deepcopy(net), (x,), strict=True)
@@ -96,6 +105,8 @@ def _child(model: str, args: argparse.Namespace, cache_dir: str, only_training: 
         "--cache-dir",
         cache_dir,
     ]
+    if args.max_delegate_ops is not None:
+        command += ["--max-delegate-ops", str(args.max_delegate_ops)]
     if only_training:
         command.append("--only-training")
     done = subprocess.run(command, capture_output=True, text=True, check=True)
@@ -109,6 +120,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--size", type=int, default=32)
     parser.add_argument("--weight-layout", default="hwio", choices=("torch", "hwio"))
+    parser.add_argument(
+        "--max-delegate-ops", type=int, help="split delegates (the option of that name)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--only-training", action="store_true", help=argparse.SUPPRESS)
@@ -129,9 +143,11 @@ def main() -> int:
             second["training_s"],
         )
         finalize = first["finalize_s"]
+        apart = "forked" if finalize is None else f"{finalize:.1f}"
+        outside = "-" if finalize is None else f"{(training_s - finalize) / inference:.1f}x"
         print(
-            f"| {arch} | {scheme} | {inference:.1f} | {training_s:.1f} | {finalize:.1f} | "
-            f"{training_s / inference:.1f}x | {(training_s - finalize) / inference:.1f}x | "
+            f"| {arch} | {scheme} | {inference:.1f} | {training_s:.1f} | {apart} | "
+            f"{training_s / inference:.1f}x | {outside} | "
             f"{again:.1f} | {again / training_s:.2f} | {first['delegates']} | "
             f"{first['on_cpu']} |",
             flush=True,

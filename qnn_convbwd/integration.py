@@ -52,6 +52,13 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.python.PyQnnManagerAdaptor", "TensorWrapper", "static tensors with own names"),
     (f"{_QC}.builders.utils", "get_parameter", "reads static weights"),
     (f"{_QC}.builders.utils", "is_parameter", "static-weight check"),
+    (f"{_QC}.builders.utils", "is_param", "patched: answered from a frozen signature"),
+    (f"{_QC}.builders.utils", "is_buffer", "patched: answered from a frozen signature"),
+    (
+        f"{_QC}.builders.utils",
+        "is_lifted_tensor_constant",
+        "patched: answered from a frozen signature",
+    ),
     (f"{_QC}.utils.constants", "QCOM_QUANT_ATTRS", "quantization metadata key"),
     (f"{_QC}.utils.constants", "QCOM_DATA", "scalar param key"),
     (f"{_QC}.utils.constants", "QCOM_ORIG_DTYPE", "I64toI32 output dtype key"),
@@ -465,7 +472,8 @@ def _patch_layout(p: _Patches, hooks: Hooks) -> None:
         limit = sys.getrecursionlimit()
         sys.setrecursionlimit(max(limit, 8 * len(graph_module.graph.nodes) + 1000))
         try:
-            return orig_call(self, graph_module)
+            with signature_frozen(self.edge_program):
+                return orig_call(self, graph_module)
         finally:
             sys.setrecursionlimit(limit)
 
@@ -537,7 +545,8 @@ def _patch_partitioner(p: _Patches, hooks: Hooks) -> None:
         def partition(self, edge_program):
             if hooks.before_partition is not None:
                 hooks.before_partition()
-            result = orig_partition(self, edge_program)
+            with signature_frozen(edge_program):
+                result = orig_partition(self, edge_program)
             if hooks.after_partition is not None:
                 hooks.after_partition(result.tagged_exported_program, result.partition_tags)
             return result
@@ -609,8 +618,79 @@ def _patch_int64(p: _Patches, hooks: Hooks) -> None:
     p.set_attr(i64, "_preserve_output_dtype", preserve)
 
 
+# executorch's Qualcomm helpers ask, about 30,000 times in a large training graph's
+# lowering, whether a node is a parameter, a buffer or a lifted constant; torch answers
+# each question by rebuilding the graph signature's name dictionaries (a fifth of a
+# MobileNetV3-Small training lowering's time when QAIRT's is not counted). While a
+# phase that does not change the signature runs (the partitioner, LayoutTransform, the
+# delegates' build), the names are read once and the questions answered from them.
+_SIGNATURE_LOOKUPS = ("is_param", "is_buffer", "is_lifted_tensor_constant")
+
+
+class _FrozenSignatures(threading.local):
+    """Per thread: id(program) -> (program, names per lookup in _SIGNATURE_LOOKUPS)."""
+
+    def __init__(self) -> None:
+        self.programs: dict[int, tuple[Any, tuple[frozenset, ...]]] = {}
+
+
+_frozen = _FrozenSignatures()
+
+
+def _signature_names(program: Any) -> tuple[frozenset, ...]:
+    signature = program.graph_signature
+    return (
+        frozenset(signature.inputs_to_parameters),
+        frozenset(signature.inputs_to_buffers),
+        frozenset(signature.inputs_to_lifted_tensor_constants),
+    )
+
+
+@contextlib.contextmanager
+def signature_frozen(program: Any) -> Iterator[None]:
+    """Answer executorch's parameter, buffer and constant checks about ``program`` from
+    its graph signature as it is on entry; on exit, check the signature did not change.
+
+    For phases that read the signature and do not change it. Nested scopes over the
+    same program share the outer one's names.
+    """
+    if program is None or id(program) in _frozen.programs:
+        yield
+        return
+    names = _signature_names(program)
+    _frozen.programs[id(program)] = (program, names)
+    try:
+        yield
+    finally:
+        del _frozen.programs[id(program)]
+    if _signature_names(program) != names:
+        raise ExecutorchIntegrationError(
+            f"executorch {executorch_version()}: the graph signature changed during a phase "
+            "whose parameter, buffer and constant checks were answered from it as it was "
+            "before; those answers may be stale"
+        )
+
+
+def _patch_signature_lookups(p: _Patches, hooks: Hooks) -> None:
+    """builders.utils' parameter, buffer and constant checks: answered from a frozen
+    signature inside ``signature_frozen``, by torch as before outside it."""
+    utils = owner("is_param")
+    for index, name in enumerate(_SIGNATURE_LOOKUPS):
+        original = getattr(utils, name)
+
+        def lookup(program, node, _original=original, _index=index):
+            entry = _frozen.programs.get(id(program))
+            if entry is None or entry[0] is not program:
+                return _original(program, node)
+            return node.name in entry[1][_index]
+
+        lookup.__name__ = lookup.__qualname__ = name
+        p.set_attr(utils, name, lookup)
+
+
 def _apply(p: _Patches, hooks: Hooks) -> None:
     for patch in (
+        _patch_signature_lookups,
         _patch_visitors,
         _patch_layout,
         _patch_operator_support,
@@ -677,7 +757,8 @@ def _patch_preprocess(p: _Patches, hooks: Hooks) -> None:
     def build(edge_program, *args, **kwargs):
         if hooks.before_build is not None:
             hooks.before_build(edge_program)
-        wrappers = orig_build(edge_program, *args, **kwargs)
+        with signature_frozen(edge_program):
+            wrappers = orig_build(edge_program, *args, **kwargs)
         if isinstance(wrappers, list):
             if hooks.after_build is not None:
                 wrappers = hooks.after_build(edge_program, wrappers)

@@ -56,7 +56,14 @@ def _executorch_state():
         "activations": QnnPassManager.__dict__["get_default_pass_activations"],
         "deps": QnnPassManager.__dict__["get_passes_dependency_for_capture_program"],
         "passes": [p for p, _ in QnnPassManager.get_default_pass_activations()],
+        "signature_lookups": _signature_lookups(),
     }
+
+
+def _signature_lookups():
+    from executorch.backends.qualcomm.builders import utils
+
+    return (utils.is_param, utils.is_buffer, utils.is_lifted_tensor_constant)
 
 
 def test_enable_is_idempotent_and_disable_restores_executorch_exactly():
@@ -125,6 +132,77 @@ def test_enabled_context_restores_prior_state():
         assert qnn_convbwd.is_enabled()  # inner block leaves the outer one enabled
     assert not qnn_convbwd.is_enabled()
     assert _executorch_state() == before
+
+
+class _WithConstant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.norm = nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.norm(self.conv(x)) * torch.tensor([2.0, 1.0, 0.5]).view(1, 3, 1, 1)
+
+
+def _signature_program():
+    program = torch.export.export(_WithConstant().eval(), (torch.randn(1, 2, 5, 5),))
+    kinds = {spec.kind.name for spec in program.graph_signature.input_specs}
+    assert {"PARAMETER", "BUFFER", "CONSTANT_TENSOR", "USER_INPUT"} <= kinds
+    return program
+
+
+def test_signature_frozen_answers_as_torch_does_without_rebuilding_the_signature(monkeypatch):
+    from executorch.backends.qualcomm.builders import utils
+    from torch.export.graph_signature import ExportGraphSignature
+
+    from qnn_convbwd import integration
+
+    program = _signature_program()
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    checks = ("is_parameter", "is_constant", "is_graph_input", "is_mutable_buffer_input")
+    with qnn_convbwd.enabled():
+        outside = {c: [getattr(utils, c)(n, program) for n in placeholders] for c in checks}
+        rebuilt = []
+        for name in ("inputs_to_parameters", "inputs_to_buffers"):
+            prop = getattr(ExportGraphSignature, name)
+
+            def counting(self, _prop=prop, _name=name):
+                rebuilt.append(_name)
+                return _prop.fget(self)
+
+            monkeypatch.setattr(ExportGraphSignature, name, property(counting))
+        with integration.signature_frozen(program):
+            assert rebuilt == ["inputs_to_parameters", "inputs_to_buffers"]  # read on entry
+            inside = {c: [getattr(utils, c)(n, program) for n in placeholders] for c in checks}
+            # is_mutable_buffer_input reads the signature itself once it knows a buffer (3)
+            assert rebuilt == ["inputs_to_parameters"] + ["inputs_to_buffers"] * 4
+        monkeypatch.undo()
+    assert inside == outside
+    assert outside["is_parameter"].count(True) == 8  # 4 parameters, 3 buffers, 1 constant
+    assert outside["is_graph_input"].count(True) == 1
+
+
+def test_signature_frozen_refuses_a_signature_changed_inside_it():
+    """A phase that changed the signature under frozen answers is reported, not trusted;
+    after the scope the checks read the signature as it is."""
+    from executorch.backends.qualcomm.builders import utils
+
+    from qnn_convbwd import integration
+
+    program = _signature_program()
+    specs = program.graph_signature.input_specs
+    index = next(i for i, spec in enumerate(specs) if spec.kind.name == "PARAMETER")
+    node = next(n for n in program.graph.nodes if n.name == specs[index].arg.name)
+    with qnn_convbwd.enabled():
+        assert utils.is_parameter(node, program)
+        removed = specs[index]
+        with pytest.raises(integration.ExecutorchIntegrationError, match="signature changed"):
+            with integration.signature_frozen(program):
+                del specs[index]
+                assert utils.is_parameter(node, program)  # the frozen answer
+        assert not utils.is_parameter(node, program)  # torch's, from the changed signature
+        specs.insert(index, removed)
+        assert utils.is_parameter(node, program)
 
 
 def test_options_name_their_choices():

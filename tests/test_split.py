@@ -101,6 +101,27 @@ def test_a_long_int_edge_makes_a_larger_piece():
     assert sorted(pieces.values()) == [1, 1, 4]
 
 
+def test_an_int_cast_of_an_input_moves_to_its_first_reader():
+    # b casts the input x to int and is read only by f: in graph order it would span
+    # c and d (no cut there); placed before f it lets the pieces be [a c], [d], [b f],
+    # [g] at 2 ops a piece, with b and f together.
+    program, made = _graph(
+        [
+            ("x", "placeholder", [], torch.float32),
+            ("a", "call", ["x"], torch.float32),
+            ("b", "call", ["x"], torch.int64),
+            ("c", "call", ["a"], torch.float32),
+            ("d", "call", ["c"], torch.float32),
+            ("f", "call", ["b", "d"], torch.float32),
+            ("g", "call", ["f"], torch.float32),
+        ]
+    )
+    pieces = split.split(program, {"qnn_0": "spec"}, max_ops=2)
+    got = _tags(made)
+    assert got["b"] == got["f"] and got["a"] == got["c"]
+    assert len({got[n] for n in "abcdfg"}) == 4 and sorted(pieces.values()) == [1, 1, 2, 2]
+
+
 def test_sources_and_inputs_follow_their_readers():
     # s reads no node (a full): it goes with its reader f, not with a's piece.
     # The placeholder w, read by a and f, goes to the first piece reading it.

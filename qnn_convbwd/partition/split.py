@@ -5,10 +5,12 @@ fully trained EfficientNet-B0 joint graph did not finalise in 2 h as one delegat
 (docs/zoo.md). Splitting the partitioner's delegate into smaller ones bounds the
 size of each QNN graph compiled.
 
-A piece is a run of consecutive nodes of one partition in the graph's
-(topological) order. Edges only go forward in that order, so the pieces cannot
-form a cycle, and a piece of a convex partition is convex: a path between two of
-its nodes that leaves it would leave the original partition too.
+A piece is a run of consecutive nodes of one partition in a topological order:
+the graph's, except that a node which reads only the delegate's inputs and may not
+cross a cut (the labels' int32 cast) comes just before its first reader. Edges
+only go forward in that order, so the pieces cannot form a cycle, and a piece of
+a convex partition is convex: a path between two of its nodes that leaves it
+would leave the original partition too.
 
 A cut is made only where every value crossing it is one floating-point tensor.
 A delegate boundary is exact for those (QNN's fp16 values leave as fp32 and come
@@ -51,7 +53,7 @@ def split(edge_program: Any, partition_tags: dict[str, Any], max_ops: int) -> di
         # reader: a shape-only full crossing a cut would be a delegate input that the
         # QNN graph never reads (passes.shape_only_operands), which executorch rejects.
         sources = [n for n in members if not n.all_input_nodes]
-        members = [n for n in members if n.all_input_nodes]
+        members = _readers_first([n for n in members if n.all_input_nodes])
         pieces = _pieces(members, max_ops)
         if len(pieces) == 1:
             logger.warning(
@@ -78,6 +80,38 @@ def split(edge_program: Any, partition_tags: dict[str, Any], max_ops: int) -> di
         )
         _retag_inputs(graph, tag, piece_tags)
     return made
+
+
+def _readers_first(members: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """``members`` with each value that may not cross a cut and is computed from the
+    delegate's inputs alone moved to just before its first reader.
+
+    A joint graph casts the labels to int32 at its start and reads them in the loss,
+    after the forward: in graph order that one value spans the whole forward, which
+    then admits no cut. Such a node reads no member, so the order stays topological.
+    """
+    inside = set(members)
+    movable = {
+        node
+        for node in members
+        if not _crosses_exactly(node)
+        and not any(i in inside for i in node.all_input_nodes)
+        and any(u in inside for u in node.users)
+    }
+    if not movable:
+        return members
+    before: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    position = {node: i for i, node in enumerate(members)}
+    for node in movable:
+        first = min((u for u in node.users if u in inside), key=position.__getitem__)
+        before.setdefault(first, []).append(node)
+    ordered: list[torch.fx.Node] = []
+    for node in members:
+        if node in movable:
+            continue
+        ordered.extend(sorted(before.get(node, ()), key=position.__getitem__))
+        ordered.append(node)
+    return ordered
 
 
 def _pieces(members: list[torch.fx.Node], max_ops: int) -> list[tuple[int, int]]:

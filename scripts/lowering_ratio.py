@@ -11,7 +11,9 @@ the first lowering compiles. Prints one Markdown row per model, with the time
 QAIRT's finalisation took in the training graph's lowering (from
 ``qnn_convbwd.progress``; "forked" where several delegates were finalised in
 forked processes, which report no phases). ``--max-delegate-ops N`` splits the
-delegates (the option of that name) in every lowering.
+delegates (the option of that name) in every lowering. ``--steps N`` then runs N SGD
+steps of the training program on the simulator and adds the median of those after
+the first (which loads the delegates) as a last column.
 
     PYTHONPATH=. python scripts/lowering_ratio.py resnet18:last-layers \
         mobilenet_v2:full --soc SM8650 --weight-layout hwio
@@ -83,9 +85,29 @@ def lower_once(arch: str, scheme: str, args: argparse.Namespace) -> dict:
             result = qnn_convbwd.lower(joint, specs)
         found["training_s"] = time.perf_counter() - start
         found["finalize_s"] = _finalize_seconds(events)
+        if args.steps and not args.only_training:
+            found["step_s"] = _step_seconds(result, (x, y), args.steps)
     found["delegates"] = harness.delegate_count(result.edge)
     found["on_cpu"] = len(result.report.on_cpu)
     return found
+
+
+def _step_seconds(result, inputs: tuple, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` SGD steps of the lowered joint program on the
+    simulator; the first includes loading the delegates."""
+    from qnn_convbwd import training
+
+    pte = result.edge.to_executorch().buffer
+    session = training.TrainingSession(pte, 0.01)
+    seconds = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            session.step(list(inputs))
+            seconds.append(time.perf_counter() - start)
+    finally:
+        session.close()
+    return seconds
 
 
 def _child(model: str, args: argparse.Namespace, cache_dir: str, only_training: bool) -> dict:
@@ -109,8 +131,18 @@ def _child(model: str, args: argparse.Namespace, cache_dir: str, only_training: 
         command += ["--max-delegate-ops", str(args.max_delegate_ops)]
     if only_training:
         command.append("--only-training")
+    elif args.steps:
+        command += ["--steps", str(args.steps)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _steps_cell(seconds: list[float] | None) -> str:
+    """The steps after the first (which loads the delegates), as a median."""
+    if not seconds:
+        return ""
+    later = sorted(seconds[1:] or seconds)
+    return f" {later[len(later) // 2]:.2f} |"
 
 
 def main() -> int:
@@ -123,6 +155,12 @@ def main() -> int:
     parser.add_argument(
         "--max-delegate-ops", type=int, help="split delegates (the option of that name)"
     )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=0,
+        help="then time this many SGD steps of the training program on the simulator",
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cache-dir", help=argparse.SUPPRESS)
     parser.add_argument("--only-training", action="store_true", help=argparse.SUPPRESS)
@@ -131,7 +169,11 @@ def main() -> int:
         arch, scheme = args.models[0].split(":")
         print(json.dumps(lower_once(arch, scheme, args)), flush=True)
         return 0
-    print(HEADER)
+    header = HEADER
+    if args.steps:
+        top, rule = HEADER.split("\n")
+        header = f"{top} simulator step s |\n{rule}---|"
+    print(header)
     for model in args.models:
         arch, scheme = model.split(":")
         with tempfile.TemporaryDirectory() as cache_dir:
@@ -149,7 +191,7 @@ def main() -> int:
             f"| {arch} | {scheme} | {inference:.1f} | {training_s:.1f} | {apart} | "
             f"{training_s / inference:.1f}x | {outside} | "
             f"{again:.1f} | {again / training_s:.2f} | {first['delegates']} | "
-            f"{first['on_cpu']} |",
+            f"{first['on_cpu']} |" + _steps_cell(first.get("step_s")),
             flush=True,
         )
     return 0

@@ -71,8 +71,9 @@ def keep_buffer_values(edge_program: Any, partition_tags: dict) -> None:
     """
     graph_signature = edge_program.graph_signature
     mutated = set(graph_signature.buffers_to_mutate.values())
+    to_buffer = graph_signature.inputs_to_buffers  # torch builds it on each read
     for node in edge_program.graph.nodes:
-        buffer = graph_signature.inputs_to_buffers.get(node.name)
+        buffer = to_buffer.get(node.name)
         if node.op != "placeholder" or buffer not in mutated:
             continue
         node.meta["et_init_buffer"] = True

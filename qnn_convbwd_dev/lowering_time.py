@@ -177,3 +177,21 @@ def aten_ops(program: torch.export.ExportedProgram) -> Counter:
         for n in program.graph.nodes
         if n.op == "call_function"
     )
+
+
+def simulator_step_seconds(pte: bytes, inputs: list, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` SGD steps (lr 0.01) of a lowered joint program on
+    the simulator (``training.TrainingSession``; the first includes loading its
+    delegates)."""
+    from qnn_convbwd import training
+
+    session = training.TrainingSession(pte, 0.01)
+    seconds = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            session.step(list(inputs))
+            seconds.append(time.perf_counter() - start)
+    finally:
+        session.close()
+    return seconds

@@ -60,6 +60,7 @@ def lower_once(arch: str, scheme: str, args: argparse.Namespace) -> dict:
     import qnn_convbwd
     from qnn_convbwd import finetune, progress, training
     from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import lowering_time
 
     specs = qnn_convbwd.compile_specs(args.soc)
     net = finetune.architecture(arch, seed=0).eval()
@@ -86,28 +87,11 @@ def lower_once(arch: str, scheme: str, args: argparse.Namespace) -> dict:
         found["training_s"] = time.perf_counter() - start
         found["finalize_s"] = _finalize_seconds(events)
         if args.steps and not args.only_training:
-            found["step_s"] = _step_seconds(result, (x, y), args.steps)
+            pte = result.edge.to_executorch().buffer
+            found["step_s"] = lowering_time.simulator_step_seconds(pte, [x, y], args.steps)
     found["delegates"] = harness.delegate_count(result.edge)
     found["on_cpu"] = len(result.report.on_cpu)
     return found
-
-
-def _step_seconds(result, inputs: tuple, steps: int) -> list[float]:
-    """Seconds of each of ``steps`` SGD steps of the lowered joint program on the
-    simulator; the first includes loading the delegates."""
-    from qnn_convbwd import training
-
-    pte = result.edge.to_executorch().buffer
-    session = training.TrainingSession(pte, 0.01)
-    seconds = []
-    try:
-        for _ in range(steps):
-            start = time.perf_counter()
-            session.step(list(inputs))
-            seconds.append(time.perf_counter() - start)
-    finally:
-        session.close()
-    return seconds
 
 
 def _child(model: str, args: argparse.Namespace, cache_dir: str, only_training: bool) -> dict:

@@ -103,24 +103,13 @@ HEADER = (
 
 def step_times(lowered, graph, steps: int, weight_layout: str) -> list[float]:
     """Seconds of each of ``steps`` SGD steps of the lowered joint program on the
-    simulator (``training.TrainingSession``; the first includes loading its delegates)."""
-    import time
-
-    from qnn_convbwd import api, training
+    simulator (the first includes loading its delegates)."""
+    from qnn_convbwd import api
 
     # A program that mutates buffers is emitted inside enabled() (training metadata).
     with api.enabled(weight_layout=weight_layout):
         pte = lowered.edge.to_executorch().buffer
-    session = training.TrainingSession(pte, 0.01)
-    seconds = []
-    try:
-        for _ in range(steps):
-            start = time.perf_counter()
-            session.step(list(graph.inputs))
-            seconds.append(time.perf_counter() - start)
-    finally:
-        session.close()
-    return seconds
+    return lowering_time.simulator_step_seconds(pte, graph.inputs, steps)
 
 
 def model_rows(

@@ -82,13 +82,23 @@ def test_cuts_where_only_float_tensors_cross():
     assert order == sorted(order, key=order.index)
 
 
-def test_a_long_int_edge_makes_a_larger_piece():
-    # b's int value is read by f: no cut between b and f, the piece grows past the limit.
+@pytest.mark.parametrize(
+    ("b_reads", "together", "sizes"),
+    [
+        # b's int value, computed from a, is read by f: no cut between b and f, the
+        # piece grows past the limit.
+        ("a", "bcdf", [1, 1, 4]),
+        # Computed from the input x alone (as a joint graph casts its labels), b goes
+        # just before its reader f, and c and d can be cut: [a c], [d], [b f], [g].
+        ("x", "bf", [1, 1, 2, 2]),
+    ],
+)
+def test_a_long_int_edge(b_reads, together, sizes):
     program, made = _graph(
         [
             ("x", "placeholder", [], torch.float32),
             ("a", "call", ["x"], torch.float32),
-            ("b", "call", ["a"], torch.int64),
+            ("b", "call", [b_reads], torch.int64),
             ("c", "call", ["a"], torch.float32),
             ("d", "call", ["c"], torch.float32),
             ("f", "call", ["b", "d"], torch.float32),
@@ -97,29 +107,8 @@ def test_a_long_int_edge_makes_a_larger_piece():
     )
     pieces = split.split(program, {"qnn_0": "spec"}, max_ops=2)
     got = _tags(made)
-    assert len({got[n] for n in "bcdf"}) == 1
-    assert sorted(pieces.values()) == [1, 1, 4]
-
-
-def test_an_int_cast_of_an_input_moves_to_its_first_reader():
-    # b casts the input x to int and is read only by f: in graph order it would span
-    # c and d (no cut there); placed before f it lets the pieces be [a c], [d], [b f],
-    # [g] at 2 ops a piece, with b and f together.
-    program, made = _graph(
-        [
-            ("x", "placeholder", [], torch.float32),
-            ("a", "call", ["x"], torch.float32),
-            ("b", "call", ["x"], torch.int64),
-            ("c", "call", ["a"], torch.float32),
-            ("d", "call", ["c"], torch.float32),
-            ("f", "call", ["b", "d"], torch.float32),
-            ("g", "call", ["f"], torch.float32),
-        ]
-    )
-    pieces = split.split(program, {"qnn_0": "spec"}, max_ops=2)
-    got = _tags(made)
-    assert got["b"] == got["f"] and got["a"] == got["c"]
-    assert len({got[n] for n in "abcdfg"}) == 4 and sorted(pieces.values()) == [1, 1, 2, 2]
+    assert len({got[n] for n in together}) == 1
+    assert sorted(pieces.values()) == sizes
 
 
 def test_sources_and_inputs_follow_their_readers():

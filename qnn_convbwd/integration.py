@@ -620,8 +620,8 @@ def _patch_int64(p: _Patches, hooks: Hooks) -> None:
 
 # executorch's Qualcomm helpers ask, about 30,000 times in a large training graph's
 # lowering, whether a node is a parameter, a buffer or a lifted constant; torch answers
-# each question by rebuilding the graph signature's name dictionaries (a fifth of a
-# MobileNetV3-Small training lowering's time when QAIRT's is not counted). While a
+# each question by rebuilding the graph signature's name dictionaries (a quarter of a
+# profiled MobileNetV3-Small training lowering with its contexts cached). While a
 # phase that does not change the signature runs (the partitioner, LayoutTransform, the
 # delegates' build), the names are read once and the questions answered from them.
 _SIGNATURE_LOOKUPS = ("is_param", "is_buffer", "is_lifted_tensor_constant")

@@ -24,6 +24,27 @@ ARCHITECTURES = (
 SCHEMES = ("bias_only", "last_layers", "full", "adapter")
 
 
+def train_mode_batch(
+    arch: str, scheme: str, batch: int, size: int, seed: int, dropout: bool = False
+) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A classifier of ``qnn_convbwd.finetune`` in ``train()`` with its ``scheme``
+    (finetune's names: ``bias-only``, ...) applied, and one seeded batch of random
+    images and labels. Dropout modules are put in ``eval()`` unless ``dropout``: the
+    program and torch draw different masks."""
+    from qnn_convbwd import finetune
+
+    net = finetune.architecture(arch, classes=10, seed=seed).train()
+    net = finetune.apply_scheme(net, scheme, size=size)
+    if not dropout:
+        for module in net.modules():
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+                module.eval()
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, size, size, generator=generator)
+    y = torch.randint(0, 10, (batch,), generator=generator)
+    return net, x, y
+
+
 class Finetune(torch.nn.Module):
     """``net`` (after ``adapter`` when given) with an MSE loss against a target.
 

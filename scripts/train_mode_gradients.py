@@ -32,6 +32,7 @@ from torch import nn
 import qnn_convbwd
 from qnn_convbwd import finetune, training
 from qnn_convbwd.toolchain import harness
+from qnn_convbwd_dev import zoo
 
 
 def _torch_gradients(net: nn.Module, x, y, dtype) -> tuple[float, dict[str, torch.Tensor]]:
@@ -58,14 +59,8 @@ def main() -> int:
     parser.add_argument("--zero", type=float, default=1e-6, help="relative norm of a zero gradient")
     args = parser.parse_args()
 
-    net = finetune.architecture(args.arch, classes=10, seed=args.seed).train()
-    net = finetune.apply_scheme(net, args.scheme, size=args.size)
-    for module in net.modules():  # the same step everywhere: no dropout masks
-        if isinstance(module, nn.modules.dropout._DropoutNd):
-            module.eval()
-    generator = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(args.batch, 3, args.size, args.size, generator=generator)
-    y = torch.randint(0, 10, (args.batch,), generator=generator)
+    # Dropout in eval(): the same step everywhere, no masks.
+    net, x, y = zoo.train_mode_batch(args.arch, args.scheme, args.batch, args.size, args.seed)
     qnn_convbwd.enable()
     program = training.lower_for_training(
         training.WithLoss(copy.deepcopy(net), nn.functional.cross_entropy),

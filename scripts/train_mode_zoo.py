@@ -36,6 +36,9 @@ side-by-side steps the model's dropout modules are put in ``eval()``
 (``--dropout`` keeps them: then the losses differ by the masks too). Dropout is
 checked against torch with the program's own masks in ``tests/test_dropout.py``.
 
+``--max-delegate-ops N`` lowers with the option of that name (delegates split into
+pieces of at most N ops); the verdict then accepts more than one delegate.
+
     python scripts/train_mode_zoo.py --arch resnet18 --scheme full --soc SM8650 SM8850
     python scripts/train_mode_zoo.py --arch mobilenet_v2 --scheme bias-only --neighbours 5
 """
@@ -52,7 +55,7 @@ from torch import nn
 import qnn_convbwd
 from qnn_convbwd import finetune, training
 from qnn_convbwd.toolchain import harness
-from qnn_convbwd_dev import fidelity, step_floor
+from qnn_convbwd_dev import fidelity, step_floor, zoo
 
 
 def _relative(ours: torch.Tensor, theirs: torch.Tensor, scale: torch.Tensor) -> float:
@@ -111,15 +114,9 @@ def _series(values: list[float]) -> str:
 
 
 def run(args: argparse.Namespace, soc: str) -> bool:
-    net = finetune.architecture(args.arch, classes=10, seed=args.seed).train()
-    net = finetune.apply_scheme(net, args.scheme, size=args.size)
-    if not args.dropout:
-        for module in net.modules():
-            if isinstance(module, nn.modules.dropout._DropoutNd):
-                module.eval()
-    generator = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(args.batch, 3, args.size, args.size, generator=generator)
-    y = torch.randint(0, 10, (args.batch,), generator=generator)
+    net, x, y = zoo.train_mode_batch(
+        args.arch, args.scheme, args.batch, args.size, args.seed, dropout=args.dropout
+    )
     program = training.lower_for_training(
         training.WithLoss(copy.deepcopy(net), nn.functional.cross_entropy),
         (x, y),
@@ -170,7 +167,8 @@ def run(args: argparse.Namespace, soc: str) -> bool:
         f"  lowering {program.lowering_seconds:.1f} s; "
         f"step {sum(seconds) / len(seconds):.2f} s (simulator)"
     )
-    ok = delegates == 1 and not backward
+    # One delegate unless --max-delegate-ops split it on purpose.
+    ok = (delegates == 1 or args.max_delegate_ops is not None) and not backward
     if len(draws) > 1:
         print(
             f"  {len(draws)} draws (the input and {len(draws) - 1} neighbours), each from the "
@@ -255,8 +253,11 @@ def main() -> int:
         "(fidelity.neighbours), each trained from the initial state; the input's one-draw "
         "verdict is printed too",
     )
+    parser.add_argument(
+        "--max-delegate-ops", type=int, help="split delegates (the option of that name)"
+    )
     args = parser.parse_args()
-    qnn_convbwd.enable()
+    qnn_convbwd.enable(max_delegate_ops=args.max_delegate_ops)
     results = [run(args, soc) for soc in args.soc]
     return 0 if all(results) else 1
 

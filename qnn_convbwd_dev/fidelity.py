@@ -240,10 +240,13 @@ def neighbourhood_summary(reports: Sequence[Report]) -> tuple[bool, list[str]]:
 
 
 def output_names(joint: torch.export.ExportedProgram) -> list[str]:
-    """One name per output of a joint program: "loss" or the parameter it is a gradient of."""
+    """One name per judged output of a joint program: "loss" or the parameter it is a
+    gradient of. A train() graph's buffer updates (running statistics) are not judged."""
     names = []
     for spec in joint.graph_signature.output_specs:
         kind = spec.kind.name
+        if kind == "BUFFER_MUTATION":
+            continue
         if kind == "LOSS_OUTPUT":
             names.append("loss")
         elif kind == "GRADIENT_TO_PARAMETER":

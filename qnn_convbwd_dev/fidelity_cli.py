@@ -6,6 +6,12 @@ K`` the program also runs on K - 1 copies of the input moved by at most one fp16
 rounding (``fidelity.neighbours``), the table is pooled over the K (rms), and the
 verdict needs the rms and the median pooling both within; the input's own
 verdict is printed too.
+
+``--canary [NAME ...]`` measures the fidelity canaries (``canary.CANARIES``, all
+when no name is given) instead of ``--graph``: each zoo step is lowered (through
+the lowering cache), run on the simulator and printed against the record beside
+the canary module, tensor by tensor; it exits 1 when any does not match the
+record. ``--record`` then writes the measurements into the record.
 """
 
 from __future__ import annotations
@@ -31,6 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="K",
         help="judge over the input and K - 1 copies moved by one fp16 rounding",
     )
+    parser.add_argument(
+        "--canary",
+        nargs="*",
+        metavar="NAME",
+        help="measure the fidelity canaries (all when no name is given) against their record",
+    )
+    parser.add_argument(
+        "--record", action="store_true", help="with --canary: write the measurements as the record"
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true", help="with --canary: lower without the lowering cache"
+    )
 
 
 def _graph(name: str):
@@ -46,7 +64,33 @@ def _graph(name: str):
     return g.model, g.inputs, g.program
 
 
+def _canaries(args: argparse.Namespace) -> int:
+    from . import canary
+
+    try:
+        chosen = [canary.by_name(n) for n in args.canary] or list(canary.CANARIES)
+    except KeyError as err:
+        raise SystemExit(str(err)) from None
+    record = canary.load()
+    measured = {}
+    failed = False
+    for c in chosen:
+        measured[c.name] = canary.measure(c, cache=not args.no_cache)
+        print(canary.table(c.name, record.get(c.name), measured[c.name]), flush=True)
+        print()
+        failed |= bool(canary.compare(record.get(c.name), measured[c.name]))
+    if args.record:
+        canary.save({**canary.load(), **measured})  # read again: another run may have recorded
+        print(f"recorded {len(measured)} canaries in {canary.RECORD}")
+        return 0
+    return 1 if failed else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.canary is not None:
+        return _canaries(args)
+    if args.record:
+        raise SystemExit("--record goes with --canary")
     from qnn_convbwd import api
     from qnn_convbwd.toolchain import harness
 

@@ -249,6 +249,8 @@ def read_etdump(etdump_path: str | Path, runs: int, skip: int = 0) -> Timings:
     if not 0 <= skip < runs:
         raise ValueError(f"skip={skip} must leave at least one of the {runs} runs")
     inspector = Inspector(etdump_path=str(etdump_path))
+    # The metadata methods a session runs once each hold no instruction (their blocks
+    # merge into one of as many executions as there are methods).
     blocks = [
         b
         for b in inspector.event_blocks
@@ -256,6 +258,7 @@ def read_etdump(etdump_path: str | Path, runs: int, skip: int = 0) -> Timings:
             e.name == "Method::execute" and e.perf_data and len(e.perf_data.raw) == runs
             for e in b.events
         )
+        and any(e.name in ("OPERATOR_CALL", "DELEGATE_CALL") for e in b.events)
     ]
     if not blocks:
         raise ProfileError(f"{etdump_path}: no block of events with {runs} executions")

@@ -227,6 +227,11 @@ class Timings:
     def cpu_calls(self) -> int:
         return sum(op.calls for op in self.cpu_ops)
 
+    @property
+    def per_step_cpu_ms(self) -> list[float]:
+        """Every CPU op's milliseconds summed, step by step."""
+        return [sum(step) for step in zip(*(op.per_step_ms for op in self.cpu_ops))]
+
 
 def _op_name(event_name: str) -> str:
     """``native_call_where.self_out`` -> ``where.self``, ``native_call_relu.out`` -> ``relu``."""
@@ -561,6 +566,10 @@ def to_markdown(profile: Profile) -> str:
     row("optimizer (executorch SGD)", [("", _ms(p.optimizer_ms)) for p in programs])
     row("**host: CPU ops + optimizer**", [("", f"**{_ms(p.host_ms)}**") for p in programs])
     row("step: forward + optimizer", [("", _ms(p.step_ms)) for p in programs])
+    lines.append("")
+    for p in programs:
+        steps = p.timings.per_step_cpu_ms
+        lines.append(f"{p.label}: CPU ops per profiled step {', '.join(_ms(x) for x in steps)} ms.")
     lines.append("")
     share = profile.host_share
     if share is not None:

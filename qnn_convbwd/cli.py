@@ -1,4 +1,5 @@
-"""``qnn-convbwd`` command line: doctor, demo, train, finetune, bench, fidelity, cost, cache."""
+"""``qnn-convbwd`` command line: doctor, demo, train, finetune, bench, fidelity, cost, profile,
+cache."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import IO, Any
 
 from . import logs
 
-# The developer subcommands (bench, fidelity, cost) live in this package, shipped beside
+# The developer subcommands (bench, fidelity, cost, profile) live in this package, shipped beside
 # qnn_convbwd in the repository but never imported by it.
 DEV_PACKAGE = "qnn_convbwd_dev"
 
@@ -41,6 +42,10 @@ COMMANDS = {
     "cost": (
         "qnn_convbwd_dev.cost",
         "multiply-adds, bytes and planned memory of a lowered training program",
+    ),
+    "profile": (
+        "qnn_convbwd_dev.profile",
+        "a training step's CPU ops, delegate calls and optimizer from ETDump, NPU beside CPU",
     ),
     "cache": (
         "qnn_convbwd.commands.cache_cli",

@@ -175,6 +175,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "training sessions: the parameter tensors before the first step",
     ),
     (
+        "executorch.extension.pybindings.portable_lib",
+        "ExecuTorchProgram.write_etdump_result_to_file",
+        "training sessions: the ETDump of a session loaded with etdump=True",
+    ),
+    (
         "executorch.exir._serialize._program",
         "deserialize_pte_binary",
         "training sessions: names of the buffers a program updates",

@@ -141,9 +141,12 @@ class _LoadedProgram:
     ``TrainingModule`` can drive the same loaded methods (and see the same state).
     """
 
-    def __init__(self, pte: bytes, data_path: str | None) -> None:
+    def __init__(self, pte: bytes, data_path: str | None, etdump: bool = False) -> None:
         load = integration.get("_load_program_from_buffer")
-        self.program = load(pte, data_path=data_path) if data_path else load(pte)
+        options: dict[str, Any] = {"data_path": data_path} if data_path else {}
+        if etdump:  # as executorch.runtime's Runtime.load_program(enable_etdump=True) loads it
+            options["enable_etdump"] = True
+        self.program = load(pte, **options)
         self._methods: dict = {}
 
     def method(self, name: str):
@@ -189,12 +192,14 @@ class TrainingSession:
         ptd: bytes | None = None,
         *,
         layout: StateLayout | None = None,
+        etdump: bool = False,
     ):
         """SGD options as ``torch.optim.SGD``'s. ``ptd``: the tensor data file of a program
         exported with external weights (``ExecutorchBackendConfig(external_mutable_weights=
         True, ...)``). ``layout``: how ``state_dict`` names the tensors (``lower_for_training``
         passes it); without it, names lose the prefix they all share and the state holds
-        only what the program updates."""
+        only what the program updates. ``etdump``: the runtime records every instruction's
+        time (executorch's ETDump) for ``write_etdump``."""
         from executorch.extension.training import TrainingModule
 
         if nesterov and (momentum <= 0 or dampening != 0):
@@ -208,7 +213,8 @@ class TrainingSession:
             self._data_file = tempfile.NamedTemporaryFile(suffix=".ptd")
             self._data_file.write(self.ptd)
             self._data_file.flush()
-        self._loaded = _LoadedProgram(pte, self._data_file and self._data_file.name)
+        self._loaded = _LoadedProgram(pte, self._data_file and self._data_file.name, etdump)
+        self.etdump = etdump
         # executorch's TrainingModule over the same loaded methods.
         self.module = TrainingModule(self._loaded)
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
@@ -267,6 +273,14 @@ class TrainingSession:
     def step(self, inputs: Sequence[torch.Tensor]) -> float:
         """One forward_backward and one SGD step; returns the loss."""
         outputs = self.forward_backward(inputs)
+        self.optimizer_step()
+        return float(outputs[0])
+
+    def optimizer_step(self) -> None:
+        """Executorch's SGD update of the runtime's parameters in place, from the last
+        ``forward_backward``'s gradients (``step`` is the two)."""
+        if self._gradients is None:
+            raise RuntimeError("no gradients before the first forward_backward")
         if self._optimizer is None:
             from executorch.extension.training import get_sgd_optimizer
 
@@ -279,7 +293,13 @@ class TrainingSession:
                 self.nesterov,
             )
         self._optimizer.step(self._gradients)
-        return float(outputs[0])
+
+    def write_etdump(self, etdump_path: str, debug_path: str) -> None:
+        """Write the ETDump of every method run so far (a session made with ``etdump=True``)
+        to ``etdump_path``, for ``executorch.devtools.Inspector``."""
+        if not self.etdump:
+            raise RuntimeError("this session records no ETDump: make it with etdump=True")
+        self._loaded.program.write_etdump_result_to_file(str(etdump_path), str(debug_path))
 
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         """Eager name -> (kind, the tensor the state lives in)."""
@@ -440,8 +460,11 @@ class TrainingProgram:
         weight_decay: float = 0.0,
         dampening: float = 0.0,
         nesterov: bool = False,
+        *,
+        etdump: bool = False,
     ) -> TrainingSession:
-        """A fresh runtime of this program, from the module's initial values."""
+        """A fresh runtime of this program, from the module's initial values (``etdump``:
+        recording executorch's ETDump, ``TrainingSession.write_etdump``)."""
         return TrainingSession(
             self.pte,
             lr,
@@ -451,6 +474,7 @@ class TrainingProgram:
             nesterov=nesterov,
             ptd=self.ptd,
             layout=self.layout,
+            etdump=etdump,
         )
 
 

@@ -383,6 +383,79 @@ def _keys_in_graph(program) -> list[int]:
     ]
 
 
+def _mask_casts(program) -> list[torch.fx.Node]:
+    """The casts of a boolean keep-mask to a float dtype."""
+    return [
+        n
+        for n in program.graph.nodes
+        if n.op == "call_function"
+        and n.target == torch.ops.aten._to_copy.default
+        and n.args[0].meta["val"].dtype == torch.bool
+    ]
+
+
+def test_the_backward_reads_the_forward_mask(monkeypatch):
+    """The backward's cast and scale of the keep-mask are the forward's nodes: one cast
+    and one scaled mask per draw, and the program computes what it computed with its own
+    (torch's interpreter, two steps, bit for bit)."""
+    program, inputs = _joint(FORMS["Dropout"](0.5))
+    shared, _ = dropout.rewrite(program, 3)
+    (cast,) = _mask_casts(shared)
+    (scaled,) = [u for u in cast.users if u.target == torch.ops.aten.mul.Tensor]
+    assert len(scaled.users) == 2  # the forward's product and the backward's
+    monkeypatch.setattr(dropout, "share_backward_mask", lambda *args: 0)
+    twice, _ = dropout.rewrite(program, 3)
+    assert len(_mask_casts(twice)) == 2
+    run_shared, run_twice = Runner(shared), Runner(twice)
+    for _ in range(2):
+        got, want = run_shared(*inputs), run_twice(*inputs)
+        assert len(got) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def _lowered_head(seed: int):
+    from qnn_convbwd import training
+
+    model = FORMS["Dropout"](0.5).train()
+    torch.manual_seed(1)
+    for parameter in model.parameters():
+        torch.nn.init.normal_(parameter, std=0.5)
+    inputs = _inputs(model)
+    with qnn_convbwd.enabled(dropout_seed=seed):
+        program = training.lower_for_training(model, inputs, qnn_convbwd.compile_specs("SM8650"))
+    return program, inputs
+
+
+def _steps(program, inputs, steps: int = 3):
+    session = program.session(0.1)
+    losses = [session.step(list(inputs)) for _ in range(steps)]
+    parameters = {n: p.clone() for n, p in session.parameters().items()}
+    session.close()
+    return losses, parameters
+
+
+def test_one_shared_mask_trains_as_two_on_the_simulator(qnn_sdk, monkeypatch):
+    """The delegate receives one scaled mask per draw instead of two, and three SGD steps
+    on the simulator give the same losses and parameters, bit for bit."""
+    from qnn_convbwd_dev import profile
+
+    shared, inputs = _lowered_head(7)
+    monkeypatch.setattr(dropout, "share_backward_mask", lambda *args: 0)
+    twice, _ = _lowered_head(7)
+    masks = [
+        [t for t in d.inputs if t.role == "cpu"]
+        for p in (shared, twice)
+        for d in profile.delegate_io(p.edge)
+    ]
+    assert [len(m) for m in masks] == [1, 2], masks
+    losses, parameters = _steps(shared, inputs)
+    want_losses, want_parameters = _steps(twice, inputs)
+    assert losses == want_losses and len(set(losses)) == 3
+    assert parameters.keys() == want_parameters.keys()
+    for name, value in parameters.items():
+        assert torch.equal(value, want_parameters[name]), name
+
+
 def test_dropout_seed_option():
     """``dropout_seed`` keys the draws; None draws the seed from torch's RNG, so
     ``torch.manual_seed`` makes a lowering reproducible."""

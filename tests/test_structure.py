@@ -264,7 +264,7 @@ def _cli_without_dev(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("command", ["bench", "fidelity", "cost"])
+@pytest.mark.parametrize("command", ["bench", "fidelity", "cost", "profile"])
 def test_a_developer_subcommand_without_the_developer_tools_says_how_to_install(command, tmp_path):
     proc = _cli_without_dev(tmp_path, command, "--soc", "SM8650")
     assert proc.stdout.strip() == "exit 2", proc.stderr[-3000:]

@@ -16,8 +16,9 @@ each draw with:
   16-bit word times a 15-bit multiplier and every sum stays below 2**31, so no int32
   operation overflows and torch and executorch compute the same bits. The top 24
   bits of the result, compared with ``round(p * 2**24)``, decide each element;
-* the **mask product**: ``x * (mask * 1 / (1 - p))``, and the joint graph's backward
-  ``grad * mask * scale`` as it was.
+* the **mask product**: ``x * (mask * 1 / (1 - p))``; the joint graph's backward
+  ``grad * (mask * scale)`` reads the same scaled mask (``share_backward_mask``), so
+  the CPU casts each mask once and the delegate receives it once.
 
 The counter and everything computed from it alone is the program's state, which the
 partition rule ``program_state_on_cpu`` keeps on CPU: the draw is an input of the
@@ -384,6 +385,7 @@ def rewrite(
                 scaled = emit(aten.mul.Tensor, mask, scale) if scale not in (0.0, 1.0) else mask
                 out = emit(aten.mul.Tensor, node.args[0], scaled)
                 _replace_outputs(node, out, kept)
+                share_backward_mask(kept, mask, scaled, scale)
         graph.erase_node(node)
         if dropped is None and operand.op == "call_function" and not operand.users:
             graph.erase_node(operand)  # the empty tensor bernoulli drew into
@@ -396,6 +398,44 @@ def rewrite(
         seed,
     )
     return program, sites
+
+
+def share_backward_mask(
+    kept: torch.fx.Node, mask: torch.fx.Node, scaled: torch.fx.Node, scale: float
+) -> int:
+    """The joint graph's backward of a dropout casts its keep-mask and scales it again
+    (torch's decomposition of ``native_dropout_backward``: ``grad * (mask.to(dtype) *
+    scale)``): the values of the forward's ``mask`` and ``scaled``, computed twice on
+    CPU and handed to the delegate twice. The backward reads the forward's nodes
+    instead; returns how many casts it replaced."""
+    graph = kept.graph
+    dtype = mask.kwargs["dtype"]
+    shared = 0
+    for cast in list(kept.users):
+        if cast is mask or not _is(cast, aten._to_copy.default) or cast.args != (kept,):
+            continue
+        kwargs = dict(cast.kwargs)
+        if (
+            kwargs.pop("dtype", None) != dtype
+            or kwargs.pop("layout", torch.strided) != torch.strided
+            or kwargs.pop("device", None) not in (None, torch.device("cpu"))
+            or kwargs
+        ):
+            continue
+        for user in list(cast.users):
+            if (
+                scaled is not mask
+                and _is(user, aten.mul.Tensor)
+                and user.args[0] is cast
+                and type(user.args[1]) is float
+                and user.args[1] == scale
+            ):
+                user.replace_all_uses_with(scaled)
+                graph.erase_node(user)
+        cast.replace_all_uses_with(mask)
+        graph.erase_node(cast)
+        shared += 1
+    return shared
 
 
 def _replace_outputs(node: torch.fx.Node, out: torch.fx.Node, kept: torch.fx.Node) -> None:

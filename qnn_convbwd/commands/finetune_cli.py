@@ -529,6 +529,9 @@ def run(args: argparse.Namespace) -> int:
     png = args.png
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
+        # Temporary files of a run killed while it wrote one (finetune.write_atomic).
+        for stale in [*args.out.glob(".*.tmp"), *args.out.glob(".*.tmp.png")]:
+            stale.unlink(missing_ok=True)
         if args.overwrite:
             for name in finetune.RUN_FILES:
                 (args.out / name).unlink(missing_ok=True)

@@ -225,7 +225,9 @@ class TrainingSession:
         self._parameters = dict(zip(self._fqns, outputs[self._parameters_at :]))
         self._buffer_names = [n for n in _mutable_buffer_names(pte) if n not in self._parameters]
         if layout is None:
-            layout = StateLayout(shared_prefix([*self._fqns, *self._buffer_names]))
+            # The plugin's own buffers (the dropout step counter) carry no module prefix.
+            own = [n for n in self._buffer_names if not n.startswith(PLUGIN_BUFFER_PREFIX)]
+            layout = StateLayout(shared_prefix([*self._fqns, *own]))
         self.layout = layout
         self._gradients: dict[str, torch.Tensor] | None = None
         self._optimizer = None

@@ -33,7 +33,7 @@ SIZE, BATCH, STEPS = 8, 4, 60
 
 
 def small_model(num_classes: int = 10) -> nn.Module:
-    """Two strided ConvBn blocks, average pool and a linear head (no dropout)."""
+    """Two strided ConvBn blocks, average pool, dropout and a linear head."""
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, stride=2, padding=1),
         nn.BatchNorm2d(8),
@@ -43,6 +43,7 @@ def small_model(num_classes: int = 10) -> nn.Module:
         nn.ReLU(),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
+        nn.Dropout(0.25),
         nn.Linear(16, num_classes),
     )
 
@@ -163,21 +164,21 @@ def test_weights_load_strictly_and_replace_a_classifier_of_another_class_count(t
     path = tmp_path / "w.pt"
     torch.save(source.state_dict(), path)
     net = small_model(num_classes=4)
-    head = net[8].weight.detach().clone()
+    head = net[9].weight.detach().clone()
     news = finetune.load_weights(net, path)
-    assert news == "classifier '8' replaced: the checkpoint has 7 classes, the data 4"
+    assert news == "classifier '9' replaced: the checkpoint has 7 classes, the data 4"
     assert torch.equal(net[0].weight, source[0].weight)
     assert torch.equal(net[4].running_var, source[4].running_var)
-    assert torch.equal(net[8].weight, head)  # the new head kept
+    assert torch.equal(net[9].weight, head)  # the new head kept
     same = small_model(num_classes=7)
     assert finetune.load_weights(same, path) is None
-    assert torch.equal(same[8].weight, source[8].weight)
+    assert torch.equal(same[9].weight, source[9].weight)
 
 
 def test_user_model_gets_the_class_count():
     sys.path.insert(0, str(HERE))
     net = finetune.user_model(MODEL, 3, seed=0)
-    assert net[8].out_features == 3
+    assert net[9].out_features == 3
     with pytest.raises(finetune.ModelError, match="no function 'nothing'"):
         finetune.user_model("test_finetune_tool:nothing", 3)
 
@@ -231,6 +232,11 @@ def test_model_pt_gives_the_reported_accuracy(finished, folders):
 
 
 def test_train_pte_starts_from_the_trained_weights(finished, folders):
+    """A session on train.pte alone (no layout given) holds model.pt's values under the
+    module's names, and its first step computes the eager model's loss with the masks
+    of the program's next dropout step."""
+    from qnn_convbwd.passes import dropout
+
     out, _ = finished
     report = json.loads((out / "report.json").read_text())
     trained = torch.load(out / "model.pt")
@@ -240,11 +246,16 @@ def test_train_pte_starts_from_the_trained_weights(finished, folders):
         assert set(program) == set(trained)
         for name, value in trained.items():
             assert torch.equal(program[name], value), name
+        assert int(session.program_state()["qnn_convbwd_dropout_step"]) == STEPS
         net = small_model(num_classes=4)
         net.load_state_dict(trained)
         x, y = _val(folders, report)
         x, y = x[:BATCH], y[:BATCH]
-        eager = float(nn.functional.cross_entropy(net.train()(x), y))
+        loss = nn.CrossEntropyLoss()
+        joint = training.export_joint(training.WithLoss(small_model(4), loss), (x, y))
+        _, sites = dropout.rewrite(joint, report["args"]["seed"])
+        with torch.no_grad(), dropout.ProgramMasks(sites, STEPS):
+            eager = float(loss(net.train()(x), y))
         assert session.step([x, y]) == pytest.approx(eager, rel=1e-5)
     finally:
         session.close()
@@ -277,7 +288,8 @@ def test_checkpoint_holds_the_momentum_and_the_scheduled_rate(finished):
     assert all(s["momentum_buffer"].abs().sum() > 0 for s in momentum.values())
     rate = state["program_optimizer"]["param_groups"][0]["lr"]
     assert rate == 0.05 * finetune.lr_factor("cosine", step - 1, STEPS)
-    assert "qnn_convbwd_dropout_step" not in state["program_state"]  # no dropout here
+    # The program's dropout masks go on from the step counter it carries.
+    assert int(state["program_state"]["qnn_convbwd_dropout_step"]) == step
     assert len(state["steps"]) == step
 
 
@@ -386,6 +398,7 @@ def test_weights_of_another_architecture_list_the_names(tmp_path, capsys):
     err = _refused(_args(data, tmp_path / "o", "--weights", str(weights)), capsys, tmp_path / "o")
     assert "not a checkpoint of this architecture" in err
     assert "not in the checkpoint: 1.bias, 1.num_batches_tracked, 1.running_mean" in err
+    assert "9.weight" in err and "not in the model" not in err
     assert "other shapes: 0.bias (4,) vs (8,), 0.weight (4, 3, 3, 3) vs (8, 3, 3, 3)" in err
 
 
@@ -422,5 +435,5 @@ def test_prepare_reports_the_replaced_classifier(tmp_path):
     argv = _args(data, tmp_path / "o", "--weights", str(weights), "--batch", "4")
     args = parser.parse_args(argv[1:])
     inputs = finetune_cli.prepare(args)
-    assert "classifier '8' replaced: the checkpoint has 10 classes, the data 2" in inputs.notes[1]
-    assert inputs.model[8].out_features == 2 and not (tmp_path / "o").exists()
+    assert "classifier '9' replaced: the checkpoint has 10 classes, the data 2" in inputs.notes[1]
+    assert inputs.model[9].out_features == 2 and not (tmp_path / "o").exists()

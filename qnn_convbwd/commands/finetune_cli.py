@@ -17,6 +17,7 @@ Bad input exits with status 2 and one message, before anything is written.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import hashlib
 import json
@@ -439,7 +440,7 @@ def write_outputs(
     else:
         (out / "train.ptd").unlink(missing_ok=True)
     seconds["emit_train_pte"] = time.perf_counter() - start
-    trained = finetune.apply_scheme(finetune.copy.deepcopy(inputs.model), args.scheme)
+    trained = finetune.apply_scheme(copy.deepcopy(inputs.model), args.scheme)
     trained.load_state_dict(result.program_state)
     inference = finetune.lower_inference(trained, inputs.val[0][:1], result.soc)
     seconds["lower_infer_pte"] = inference.lowering_seconds

@@ -280,7 +280,7 @@ def test_infer_pte_predicts_as_the_eager_model(finished, folders):
 
 def test_checkpoint_holds_the_momentum_and_the_scheduled_rate(finished):
     out, _ = finished
-    state = torch.load(out / finetune.CHECKPOINT_FILE, weights_only=False)
+    state = torch.load(out / finetune.CHECKPOINT_FILE, weights_only=True)
     step = state["step"]
     assert step == STEPS - 10  # every 10 steps, the last one before the end
     momentum = state["program_optimizer"]["state"]
@@ -345,7 +345,7 @@ def test_a_killed_run_resumes_to_the_same_losses_to_the_bit(finished, folders, t
     log = (tmp_path / "killed.log").read_text()
     assert killed.returncode == -signal.SIGKILL, log
     assert checkpoint.exists() and not (out / "report.json").exists(), log
-    stopped = torch.load(checkpoint, weights_only=False)["step"]
+    stopped = torch.load(checkpoint, weights_only=True)["step"]
     assert 0 < stopped < STEPS
 
     resumed = _command(["finetune", "--resume", str(out)], tmp_path / "resumed.log")

@@ -235,7 +235,7 @@ def _load_checkpoint(folder: Path) -> dict:
     if not path.is_file():
         raise UsageError(f"--resume {folder}: no {finetune.CHECKPOINT_FILE} there")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated or foreign
         raise UsageError(f"{path}: not readable ({type(err).__name__}: {err})") from None
     if not isinstance(state, dict) or state.get("format") != finetune.CHECKPOINT_FORMAT:

@@ -32,7 +32,7 @@ COMMANDS = {
     ),
     "finetune": (
         "qnn_convbwd.commands.finetune_cli",
-        "fine-tune a classifier on scikit-learn's digits in train mode, next to torch",
+        "fine-tune a classifier on your images or scikit-learn's digits, next to torch",
     ),
     "bench": ("qnn_convbwd_dev.bench", "benchmark training graphs with and without the plugin"),
     "fidelity": (

@@ -19,9 +19,12 @@ import collections
 import copy
 import dataclasses
 import importlib.util
+import io
+import itertools
 import json
 import logging
 import math
+import os
 import subprocess
 import sys
 import time
@@ -83,6 +86,103 @@ def architecture(arch: str, classes: int = 10, seed: int = 0) -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
+
+
+class ModelError(ValueError):
+    """A model, checkpoint or input size that does not fit; the message says which and why."""
+
+
+def user_model(spec: str, classes: int, seed: int = 0) -> nn.Module:
+    """``module:function``'s model: ``function(num_classes=classes)`` from an importable
+    ``module``, with torch's random state seeded by ``seed`` (the global state is left as
+    it was)."""
+    import importlib
+
+    module_name, _, function_name = spec.partition(":")
+    if not module_name or not function_name:
+        raise ModelError(f"--model {spec!r}: expected module:function")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ModelError(f"--model {spec!r}: cannot import {module_name!r} ({err})") from None
+    build = getattr(module, function_name, None)
+    if not callable(build):
+        raise ModelError(f"--model {spec!r}: {module_name} has no function {function_name!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        net = build(num_classes=classes)
+    if not isinstance(net, nn.Module):
+        raise ModelError(f"--model {spec!r} returned a {type(net).__name__}, not an nn.Module")
+    return net
+
+
+def _listed(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def load_weights(net: nn.Module, path: str | Path) -> str | None:
+    """Load a torch ``state_dict`` file into ``net`` strictly: every name and shape must
+    match, except the classifier head's (``head``) when the checkpoint has another number
+    of classes: then ``net`` keeps its own new head. Returns that news (``None`` when the
+    head was loaded); raises ``ModelError`` listing the mismatched names otherwise. ``net``
+    is unchanged when it raises."""
+    path = Path(path)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # missing, truncated or not a torch file
+        raise ModelError(f"--weights {path}: not readable ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ModelError(f"--weights {path}: not a state_dict (names to tensors)")
+    own = net.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = sorted(n for n in set(own) & set(state) if own[n].shape != state[n].shape)
+    top = head(net)
+    head_names = {f"{top}.weight", f"{top}.bias"}
+    replaced = None
+    if shapes and set(shapes) <= head_names and f"{top}.weight" in shapes:
+        theirs, ours = state[f"{top}.weight"].shape[0], own[f"{top}.weight"].shape[0]
+        replaced = (
+            f"classifier {top!r} replaced: the checkpoint has {theirs} classes, the data {ours}"
+        )
+        state = {n: v for n, v in state.items() if n not in head_names}
+        shapes = []
+    if missing or unexpected or shapes:
+        problems = []
+        if missing:
+            problems.append(f"not in the checkpoint: {_listed(missing)}")
+        if unexpected:
+            problems.append(f"not in the model: {_listed(unexpected)}")
+        if shapes:
+            problems.append(
+                "other shapes: "
+                + _listed([f"{n} {tuple(state[n].shape)} vs {tuple(own[n].shape)}" for n in shapes])
+            )
+        raise ModelError(
+            f"--weights {path} is not a checkpoint of this architecture ({type(net).__name__}): "
+            + "; ".join(problems)
+        )
+    net.load_state_dict(state, strict=replaced is None)
+    return replaced
+
+
+def check_size(net: nn.Module, size: int) -> None:
+    """Raise ``ModelError`` when ``net`` cannot classify ``size`` x ``size`` RGB images (one
+    eval-mode pass over zeros; ``net`` is left in its mode)."""
+    was_training = net.training
+    try:
+        with torch.no_grad():
+            out = net.eval()(torch.zeros(2, 3, size, size))
+    except Exception as err:  # whatever the model raises on that size
+        raise ModelError(
+            f"--size {size}: {type(net).__name__} cannot take {size}x{size} images "
+            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+        ) from None
+    finally:
+        net.train(was_training)
+    if not isinstance(out, torch.Tensor) or out.dim() != 2 or len(out) != 2:
+        raise ModelError(f"--size {size}: {type(net).__name__} does not return (batch, classes)")
 
 
 # --- schemes --------------------------------------------------------------------------
@@ -330,6 +430,11 @@ class FitResult:
     # (``session.state_dict()``) and torch's, after the last step.
     program_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     torch_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    torch_reference: bool = True  # False: no torch copy trained (its losses are NaN)
+    # The lowered training program (training.TrainingProgram) and its state after the
+    # last step by program names (TrainingSession.program_state(): TrainingProgram.emit).
+    program: Any = dataclasses.field(default=None, repr=False)
+    program_final: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def mean_step_seconds(self) -> float:
@@ -368,6 +473,7 @@ class FitResult:
             "program_accuracy": [e.program_accuracy for e in self.evaluations],
             "torch_accuracy": [e.torch_accuracy for e in self.evaluations],
             "path": str(path),
+            "torch": self.torch_reference,
         }
         script = Path(__file__).with_name("fit_plot.py")
         done = subprocess.run(
@@ -376,6 +482,40 @@ class FitResult:
         if done.returncode != 0:
             raise RuntimeError(f"plotting failed: {done.stderr[-1000:]}")
         return path
+
+
+LR_SCHEDULES = ("none", "cosine", "step")
+
+
+def lr_factor(schedule: str, step: int, total: int) -> float:
+    """The learning rate of step ``step`` (0-based) of ``total`` as a multiple of the base
+    rate: ``none`` 1; ``cosine`` from 1 down along half a cosine (0 after the last step);
+    ``step`` 1, then 0.1 from half-way, 0.01 from three quarters of the steps."""
+    if schedule == "none":
+        return 1.0
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * step / total))
+    if schedule == "step":
+        milestones = (max(1, total // 2), max(1, (3 * total) // 4))
+        return 0.1 ** sum(step >= m for m in milestones)
+    raise ValueError(f"lr schedule {schedule!r}: one of {', '.join(LR_SCHEDULES)}")
+
+
+def make_optimizer(
+    parameters: list[torch.Tensor], lr: float, momentum: float, weight_decay: float
+) -> torch.optim.Optimizer:
+    """The optimizer of a fine-tuning run, chosen here for both sides: the program's
+    parameters (the runtime's own tensors, updated in place from the program's gradients)
+    and the torch copy's. ``torch.optim.SGD``, one tensor at a time: the same arithmetic
+    on both sides, and its state (the momentum buffers) is a ``state_dict`` a checkpoint
+    holds. (executorch's ``get_sgd_optimizer`` keeps its momentum buffers where Python
+    cannot read or restore them.)"""
+    return torch.optim.SGD(
+        parameters, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=False
+    )
+
+
+CHECKPOINT_FORMAT = "qnn-convbwd finetune checkpoint 1"
 
 
 def fit(
@@ -397,9 +537,16 @@ def fit(
     torch_masks: str = "program",
     eval_every: int | None = None,
     on_progress: Callable[[FitResult, int, Evaluation | None], None] | None = None,
+    torch_reference: bool = True,
+    lr_schedule: str = "none",
+    checkpoint_every: int | None = None,
+    on_checkpoint: Callable[[dict], None] | None = None,
+    resume: dict | None = None,
+    external_weights: bool = False,
 ) -> FitResult:
     """Train a copy of ``model`` (cross-entropy) through the lowered program and, on the
-    same batches, an fp32 eager copy with ``torch.optim.SGD``; both from the same weights.
+    same batches, an fp32 eager copy; both from the same weights, both with
+    ``make_optimizer``'s optimizer at ``lr`` times ``lr_factor(lr_schedule, ...)``.
 
     ``train`` and ``test`` are ``(images, labels)`` tensors or ``DataLoader``\\ s. The
     program's batch is fixed at lowering, so only batches of exactly ``batch``
@@ -412,6 +559,7 @@ def fit(
     from ``seed``; ``torch_masks="program"`` has the torch copy drop the same elements
     (``passes.dropout.ProgramMasks``), so the two runs differ by their arithmetic
     alone, and ``"own"`` has it draw its own masks from ``seed``.
+    ``torch_reference=False`` trains the program alone.
 
     Both are evaluated before the first step, every ``eval_every`` steps (default:
     each epoch) and after the last: the program's accuracy is an eager copy's in
@@ -421,6 +569,14 @@ def fit(
     for comparing step times. ``on_progress(result, total, evaluation)`` is called
     before the first step and after every step with the result so far (its
     ``steps`` done of ``total``) and the evaluation made at that step, if any.
+
+    ``on_checkpoint(state)`` is called every ``checkpoint_every`` steps (default: each
+    epoch) before the last with everything the run carries from step to step: the
+    program's parameters and updated buffers (its dropout step counter included), both
+    optimizers' state, the torch copy, torch's random state and the steps and
+    evaluations so far. ``resume`` is such a state: the run goes on from its step, and
+    its remaining steps compute what an uninterrupted run computes. ``external_weights``
+    lowers a program whose weights live in a ``.ptd`` (``FitResult.program.ptd``).
     """
     from . import training
     from .api import enabled
@@ -431,6 +587,8 @@ def fit(
         raise ValueError("give steps or epochs, not both")
     if torch_masks not in TORCH_MASKS:
         raise ValueError(f"torch_masks={torch_masks!r}: one of {', '.join(TORCH_MASKS)}")
+    if lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"lr schedule {lr_schedule!r}: one of {', '.join(LR_SCHEDULES)}")
     net = apply_scheme(copy.deepcopy(model), scheme)
     net.train(train_mode)
     trainable = trainable_names(net)
@@ -441,24 +599,34 @@ def fit(
         raise ValueError(f"no batch of {batch} samples in the training data")
     total = steps if steps is not None else per_epoch * (epochs or 1)
     eval_every = eval_every or per_epoch
+    checkpoint_every = checkpoint_every or per_epoch
     dropped = 0 if isinstance(train, torch.utils.data.DataLoader) else len(train[0]) % batch
+    if resume is not None and (
+        resume.get("format") != CHECKPOINT_FORMAT or resume["total"] != total
+    ):
+        raise ValueError(
+            f"the checkpoint is of a run of {resume.get('total')} steps, not {total} "
+            f"(or not a checkpoint of {CHECKPOINT_FORMAT!r})"
+        )
 
-    reference = copy.deepcopy(net)
-    optimizer = torch.optim.SGD(
-        [p for p in reference.parameters() if p.requires_grad],
-        lr=lr,
-        momentum=momentum,
-        weight_decay=weight_decay,
+    reference = copy.deepcopy(net) if torch_reference else None
+    reference_optimizer = (
+        make_optimizer(
+            [p for p in reference.parameters() if p.requires_grad], lr, momentum, weight_decay
+        )
+        if reference is not None
+        else None
     )
     loss = nn.CrossEntropyLoss()
-    batches = _batches(train, batch, seed)
-    first = next(batches)
+    first = next(_batches(train, batch, seed))
     target_soc = "SM8350" if cpu_only else soc
     wrapped = training.WithLoss(copy.deepcopy(net), loss)
     with enabled(dropout_seed=seed):
-        program = training.lower_for_training(wrapped, first, harness.compile_specs(target_soc))
+        program = training.lower_for_training(
+            wrapped, first, harness.compile_specs(target_soc), external_weights=external_weights
+        )
     sites: list[dropout.Site] = []
-    if train_mode and torch_masks == "program":
+    if reference is not None and train_mode and torch_masks == "program":
         # The program's draws, recomputed from the seed: the joint graph, rewritten.
         _, sites = dropout.rewrite(training.export_joint(wrapped, first), seed)
     delegates = harness.delegate_count(program.edge)
@@ -477,50 +645,107 @@ def fit(
         delegates=delegates,
         on_cpu=list(program.report.on_cpu),
         dropped_per_epoch=dropped,
+        torch_reference=torch_reference,
+        program=program,
     )
-    session = program.session(lr, momentum=momentum, weight_decay=weight_decay)
+    session = program.session(lr)
+    parameters = session.parameters()
+    optimizer = make_optimizer(list(parameters.values()), lr, momentum, weight_decay)
     evaluated = copy.deepcopy(net)
+    start_step = 0
+    if resume is not None:
+        session.load_program_state(resume["program_state"])
+        optimizer.load_state_dict(resume["program_optimizer"])
+        if reference is not None:
+            if resume.get("reference_state") is None:
+                raise ValueError("the checkpoint has no torch copy (a run without torch)")
+            reference.load_state_dict(resume["reference_state"])
+            reference_optimizer.load_state_dict(resume["reference_optimizer"])
+        start_step = resume["step"]
+        result.steps = [Step(**s) for s in resume["steps"]]
+        result.evaluations = [Evaluation(**e) for e in resume["evaluations"]]
 
     def evaluate(done: int) -> Evaluation:
         evaluated.load_state_dict(session.state_dict())
         found = Evaluation(
-            done, done / per_epoch, accuracy(evaluated, test), accuracy(reference, test)
+            done,
+            done / per_epoch,
+            accuracy(evaluated, test),
+            accuracy(reference, test) if reference is not None else math.nan,
         )
         result.evaluations.append(found)
         return found
 
+    def state(done: int) -> dict:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": done,
+            "total": total,
+            "program_state": session.program_state(),
+            "program_optimizer": copy.deepcopy(optimizer.state_dict()),
+            "reference_state": None
+            if reference is None
+            else {k: v.detach().clone() for k, v in reference.state_dict().items()},
+            "reference_optimizer": None
+            if reference_optimizer is None
+            else copy.deepcopy(reference_optimizer.state_dict()),
+            "rng": torch.get_rng_state(),
+            "steps": [dataclasses.asdict(s) for s in result.steps],
+            "evaluations": [dataclasses.asdict(e) for e in result.evaluations],
+        }
+
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # torch's own dropout masks (torch_masks="own")
-            evaluation = evaluate(0)
+            if resume is not None:
+                torch.set_rng_state(resume["rng"])
+                evaluation = None
+            else:
+                evaluation = evaluate(0)
             if on_progress is not None:
                 on_progress(result, total, evaluation)
-            x, y = first
-            for done in range(1, total + 1):
+            batches = itertools.islice(_batches(train, batch, seed), start_step, None)
+            for done in range(start_step + 1, total + 1):
+                x, y = next(batches)
+                rate = lr * lr_factor(lr_schedule, done - 1, total)
                 start = time.perf_counter()
-                program_loss = session.step((x, y))
-                seconds = time.perf_counter() - start
-                start = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                if sites:
-                    with dropout.ProgramMasks(sites, done - 1):
-                        torch_loss = loss(reference(x), y)
-                else:
-                    torch_loss = loss(reference(x), y)
-                torch_loss.backward()
+                program_loss = float(session.forward_backward((x, y))[0])
+                gradients = session.gradients()
+                for name, parameter in parameters.items():
+                    parameter.grad = gradients[name]
+                for group in optimizer.param_groups:
+                    group["lr"] = rate
                 optimizer.step()
-                torch_seconds = time.perf_counter() - start
-                result.steps.append(
-                    Step(program_loss, float(torch_loss.detach()), seconds, torch_seconds)
-                )
+                seconds = time.perf_counter() - start
+                torch_loss, torch_seconds = math.nan, math.nan
+                if reference is not None:
+                    start = time.perf_counter()
+                    reference_optimizer.zero_grad(set_to_none=True)
+                    if sites:
+                        with dropout.ProgramMasks(sites, done - 1):
+                            reference_loss = loss(reference(x), y)
+                    else:
+                        reference_loss = loss(reference(x), y)
+                    reference_loss.backward()
+                    for group in reference_optimizer.param_groups:
+                        group["lr"] = rate
+                    reference_optimizer.step()
+                    torch_seconds = time.perf_counter() - start
+                    torch_loss = float(reference_loss.detach())
+                result.steps.append(Step(program_loss, torch_loss, seconds, torch_seconds))
                 evaluation = evaluate(done) if done % eval_every == 0 or done == total else None
                 if on_progress is not None:
                     on_progress(result, total, evaluation)
-                if done < total:
-                    x, y = next(batches)
+                if on_checkpoint is not None and done % checkpoint_every == 0 and done < total:
+                    on_checkpoint(state(done))
+        for parameter in parameters.values():
+            parameter.grad = None
         result.program_state = session.state_dict()
-        result.torch_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        result.program_final = session.program_state()
+        if reference is not None:
+            result.torch_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     finally:
+        del parameters
         session.close()
     return result
 
@@ -532,3 +757,74 @@ def _batches(data: Any, batch: int, seed: int) -> Iterator[tuple]:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
         yield from _epoch_batches(data, batch, generator)
         epoch += 1
+
+
+# --- outputs --------------------------------------------------------------------------
+
+CHECKPOINT_FILE = "checkpoint.pt"
+# Every file a run writes under its output folder.
+RUN_FILES = (
+    "model.pt",
+    "train.pte",
+    "train.ptd",
+    "infer.pte",
+    "report.json",
+    "curves.png",
+    CHECKPOINT_FILE,
+)
+
+
+def write_atomic(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file beside it and ``os.replace``: a
+    crash leaves the old file or the new one, never part of one."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(temporary, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+def save_atomic(path: str | Path, value: Any) -> None:
+    """``torch.save(value)`` to ``path``, atomically (``write_atomic``)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    write_atomic(path, buffer.getvalue())
+
+
+def plot_atomic(result: FitResult, path: str | Path) -> Path:
+    """``result.plot`` to a temporary PNG beside ``path``, then ``os.replace``."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+    try:
+        result.plot(temporary)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
+@dataclasses.dataclass
+class Inference:
+    pte: bytes
+    delegates: int
+    lowering_seconds: float
+
+
+def lower_inference(net: nn.Module, example: torch.Tensor, soc: str) -> Inference:
+    """``net`` in ``eval()`` lowered for ``soc``'s HTP with executorch's
+    ``to_edge_transform_and_lower`` and ``QnnPartitioner`` (through
+    ``harness.lower_module``), the plugin enabled; ``example`` fixes the input shape."""
+    from .api import enabled
+    from .toolchain import harness
+
+    net = copy.deepcopy(net).eval()
+    with enabled():
+        compiled = harness.lower_module(net, (example,), soc)
+    return Inference(
+        bytes(compiled.pte), harness.delegate_count(compiled.edge), compiled.lower_seconds
+    )

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import tempfile
 import time
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -230,7 +231,9 @@ class TrainingSession:
         self._parameters = dict(zip(self._fqns, outputs[self._parameters_at :]))
         self._buffer_names = [n for n in _mutable_buffer_names(pte) if n not in self._parameters]
         if layout is None:
-            layout = StateLayout(shared_prefix([*self._fqns, *self._buffer_names]))
+            # The plugin's own buffers (the dropout step counter) carry no module prefix.
+            own = [n for n in self._buffer_names if not n.startswith(PLUGIN_BUFFER_PREFIX)]
+            layout = StateLayout(shared_prefix([*self._fqns, *own]))
         self.layout = layout
         self._gradients: dict[str, torch.Tensor] | None = None
         self._optimizer = None
@@ -300,6 +303,38 @@ class TrainingSession:
         if not self.etdump:
             raise RuntimeError("this session records no ETDump: make it with etdump=True")
         self._loaded.program.write_etdump_result_to_file(str(etdump_path), str(debug_path))
+
+    def program_state(self) -> dict[str, torch.Tensor]:
+        """Copies of everything the program carries from step to step, by program name:
+        the trainable parameters and every buffer it updates, the plugin's own ones (the
+        dropout step counter) included. ``load_program_state`` puts it back; a program
+        emitted from it (``TrainingProgram.emit``) starts where this session is."""
+        state = {name: t.detach().clone() for name, t in self._parameters.items()}
+        state.update(self.buffers())
+        return state
+
+    def load_program_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Set the parameters and updated buffers from ``program_state()``'s names; every
+        name of this program must be there with its shape, and nothing is written
+        otherwise."""
+        targets = dict(self._parameters)
+        targets.update({n: self._forward.get_attribute(n) for n in self._buffer_names})
+        missing = sorted(set(targets) - set(state))
+        unexpected = sorted(set(state) - set(targets))
+        shapes = sorted(
+            n
+            for n in set(targets) & set(state)
+            if tuple(state[n].shape) != tuple(targets[n].shape)
+            or state[n].dtype != targets[n].dtype
+        )
+        if missing or unexpected or shapes:
+            raise StateDictError(
+                f"program state does not fit the program: missing {missing}, unexpected "
+                f"{unexpected}, another shape or dtype {shapes}"
+            )
+        with torch.no_grad():
+            for name, tensor in targets.items():
+                tensor.copy_(state[name])
 
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         """Eager name -> (kind, the tensor the state lives in)."""
@@ -452,6 +487,33 @@ class TrainingProgram:
     lowering_seconds: float  # export_joint + lower + to_executorch
     layout: StateLayout
     ptd: bytes | None = None  # the tensor data file, with external_weights=True
+    # The lowered edge program before ``to_executorch`` (which changes the program it
+    # emits), so ``emit`` can write the same program with other initial values.
+    unemitted: Any = dataclasses.field(default=None, repr=False)
+    external_weights: bool = False
+
+    def emit(self, state: Mapping[str, torch.Tensor]) -> tuple[bytes, bytes | None]:
+        """The ``.pte`` (and ``.ptd``) of this program with ``state``'s values as the
+        initial values of its trainable parameters and updated buffers; ``state`` by
+        program names (``TrainingSession.program_state()``). The delegates are the same
+        ones: nothing is lowered again."""
+        if self.unemitted is None:
+            raise RuntimeError("this TrainingProgram keeps no unemitted edge program")
+        edge = copy.deepcopy(self.unemitted)
+        exported = edge.exported_program()
+        stored = {**exported.state_dict, **exported.constants}
+        unknown = sorted(set(state) - set(stored))
+        if unknown:
+            raise StateDictError(f"not tensors of the program: {unknown}")
+        with torch.no_grad():
+            for name, value in state.items():
+                if tuple(value.shape) != tuple(stored[name].shape):
+                    raise StateDictError(
+                        f"{name}: {tuple(value.shape)} given, {tuple(stored[name].shape)} in the "
+                        "program"
+                    )
+                stored[name].copy_(value)
+        return _emit(edge, self.external_weights)
 
     def session(
         self,
@@ -496,26 +558,41 @@ def lower_for_training(
     and writes them. ``external_weights``: parameters and constants go to a
     ``.ptd`` beside the program (``TrainingProgram.ptd``).
     """
-    from executorch.exir import ExecutorchBackendConfig
-
-    from .api import enabled, lower
+    from .api import lower
 
     start = time.perf_counter()
     joint = export_joint(module, inputs)
     result = lower(joint, specs, **lower_options)
+    unemitted = copy.deepcopy(result.edge)
+    pte, ptd = _emit(result.edge, external_weights)
+    seconds = time.perf_counter() - start
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    layout = StateLayout.from_program(joint, shared_prefix(names))
+    return TrainingProgram(
+        result.edge, result.report, pte, seconds, layout, ptd, unemitted, external_weights
+    )
+
+
+def _emit(edge: Any, external_weights: bool) -> tuple[bytes, bytes | None]:
+    """``edge.to_executorch`` (which changes ``edge``) for training: the ``.pte`` bytes and
+    the ``.ptd`` with ``external_weights``."""
+    from executorch.exir import ExecutorchBackendConfig
+
+    from .api import enabled
+
     # Under enabled(): the training metadata of a program that updates buffers.
     config = ExecutorchBackendConfig(
         emit_mutable_buffer_names=True,
         external_mutable_weights=external_weights,
         external_constants=external_weights,
     )
-    with enabled():
-        program = result.edge.to_executorch(config)
+    with enabled(), warnings.catch_warnings():
+        # The plugin marks every buffer the program updates as initialised
+        # (after_partition.py), which this warning of executorch's does not look at.
+        warnings.filterwarnings("ignore", message="Mutation on a buffer in the model")
+        program = edge.to_executorch(config)
     ptd = _tensor_data(program) if external_weights else None
-    seconds = time.perf_counter() - start
-    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
-    layout = StateLayout.from_program(joint, shared_prefix(names))
-    return TrainingProgram(result.edge, result.report, bytes(program.buffer), seconds, layout, ptd)
+    return bytes(program.buffer), ptd
 
 
 def _tensor_data(program: Any) -> bytes:

@@ -221,7 +221,7 @@ def test_cli_end_to_end_writes_png(tmp_path, monkeypatch, capsys):
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "loss program" in out and "test accuracy after 2 steps" in out
+    assert "loss program" in out and "held-out accuracy after 2 steps" in out
     assert "0 delegate(s)" in out and f"curves: {png}" in out
 
 

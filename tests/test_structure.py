@@ -310,6 +310,7 @@ LAYERS = (
         "delegate_io",
         "torchvision_import",
         "fit_plot",
+        "finetune_data",
     },
     {"geometry", "nodes"},
     {"partition"},

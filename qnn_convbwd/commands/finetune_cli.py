@@ -1,117 +1,388 @@
-"""``qnn-convbwd finetune``: fine-tune a classifier on scikit-learn's digits, on the HTP
-simulator next to torch.
+"""``qnn-convbwd finetune``: fine-tune a classifier on your images (or scikit-learn's digits)
+through a lowered training program, next to torch.
 
-Builds the model (``finetune.architecture``), applies the scheme, lowers its
-joint training graph for the SoC and trains it in ``train()`` through
-ExecuTorch's runtime, with torch eager + ``torch.optim.SGD`` on the same
-batches (``finetune.fit``). Prints loss and test accuracy of both at each
-evaluation point, then a summary, and writes a PNG of the curves.
+Reads the data (``finetune_data``: an ImageFolder or a tensor file, held-out data
+from ``--val`` or ``--val-split``), builds the model (``--arch``, or ``--model
+module:function``; ``--weights`` loaded strictly), checks all of it before writing
+anything, lowers the joint training graph for the SoC and trains it in ``train()``
+through ExecuTorch's runtime, with torch eager on the same batches unless
+``--no-torch`` (``finetune.fit``). With ``--out`` it saves a checkpoint every
+``--checkpoint-every`` steps, and after the last step the trained ``state_dict``,
+the training program starting from the trained weights, an inference program,
+``report.json`` and the curves; ``--resume`` continues a killed run.
+
+Bad input exits with status 2 and one message, before anything is written.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import hashlib
+import json
+import math
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
-from .. import finetune
+import torch
+
+from .. import finetune, finetune_data
 
 DEFAULT_LR, DEFAULT_MOMENTUM = 0.02, 0.9
+DEFAULT_VAL_SPLIT = 0.1  # with --data and no --val
+
+
+class UsageError(Exception):
+    """Bad input: printed as one line, exit status 2."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+    data = parser.add_argument_group("data")
+    data.add_argument(
+        "--data",
+        type=Path,
+        help="training data: a folder of class folders of images (torchvision's ImageFolder "
+        "layout) or a .pt/.npz file with tensors x (N, C, H, W) and y (labels); default "
+        "scikit-learn's digits",
+    )
+    held = data.add_mutually_exclusive_group()
+    held.add_argument("--val", type=Path, help="held-out data, a folder or file as --data")
+    held.add_argument(
+        "--val-split",
+        type=float,
+        help=f"hold out this fraction of --data (default {DEFAULT_VAL_SPLIT} without --val)",
+    )
+    data.add_argument("--size", type=int, default=32, help="image size (default 32)")
+    model = parser.add_argument_group("model")
+    model.add_argument(
         "--arch",
         default="cifar",
         help="'cifar' (ExecuTorch's CIFAR-10 example, default) or a torchvision classifier "
         "(resnet18, mobilenet_v2, mobilenet_v3_small, efficientnet_b0, shufflenet_v2_x0_5, ...)",
     )
-    parser.add_argument("--scheme", choices=finetune.SCHEMES, default="full")
-    parser.add_argument("--batch", type=int, default=16, help="batch size (default 16)")
-    length = parser.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, help="SGD steps (default: one epoch)")
-    length.add_argument("--epochs", type=int, help="epochs over the 1,500 training digits")
-    parser.add_argument(
-        "--eval-every", type=int, help="steps between test evaluations (default: an epoch)"
+    model.add_argument(
+        "--model",
+        help="your own model instead of --arch: module:function, called as "
+        "function(num_classes=N) and returning an nn.Module",
     )
-    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"default {DEFAULT_LR}")
-    parser.add_argument(
+    model.add_argument(
+        "--weights",
+        type=Path,
+        help="start from this torch state_dict file (strict; a classifier of another class "
+        "count is replaced)",
+    )
+    model.add_argument("--scheme", choices=finetune.SCHEMES, default="full")
+    run = parser.add_argument_group("training")
+    run.add_argument("--batch", type=int, default=16, help="batch size (default 16)")
+    length = run.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer steps (default: one epoch)")
+    length.add_argument("--epochs", type=int, help="epochs over the training data")
+    run.add_argument("--eval-every", type=int, help="steps between evaluations (default: an epoch)")
+    run.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"default {DEFAULT_LR}")
+    run.add_argument(
+        "--lr-schedule",
+        choices=finetune.LR_SCHEDULES,
+        default="none",
+        help="cosine: down to 0 along half a cosine; step: x0.1 at 1/2 and 3/4 of the steps",
+    )
+    run.add_argument(
         "--momentum", type=float, default=DEFAULT_MOMENTUM, help=f"default {DEFAULT_MOMENTUM}"
     )
-    parser.add_argument("--weight-decay", type=float, default=0.0)
-    parser.add_argument("--soc", default="SM8650", help="target SoC (default SM8650, HTP V75)")
-    parser.add_argument("--size", type=int, default=32, help="image size (default 32)")
-    parser.add_argument("--seed", type=int, default=0, help="weights, split and batch order")
-    parser.add_argument(
-        "--png", type=Path, default=Path("out/finetune.png"), help="curves (default %(default)s)"
-    )
-    parser.add_argument(
+    run.add_argument("--weight-decay", type=float, default=0.0)
+    run.add_argument("--soc", default="SM8650", help="target SoC (default SM8650, HTP V75)")
+    run.add_argument("--seed", type=int, default=0, help="weights, split and batch order")
+    run.add_argument(
         "--cpu",
         action="store_true",
-        help="the CPU-only program: the same joint graph with no QNN delegate",
+        help="the CPU-only program: the same joint graph lowered for SM8350, no QNN delegate",
     )
-    parser.add_argument(
+    run.add_argument(
+        "--no-torch", action="store_true", help="train the program alone (no torch copy)"
+    )
+    run.add_argument(
         "--torch-masks",
         choices=finetune.TORCH_MASKS,
         default="program",
         help="torch's dropout masks: the program's (the same elements dropped, default) or its own",
     )
-    parser.add_argument(
+    run.add_argument(
         "--eval-mode",
         action="store_true",
         help="train in eval(): running statistics, no dropout",
     )
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--out",
+        type=Path,
+        help="folder for model.pt, train.pte, infer.pte, report.json, curves.png and "
+        "checkpoints (without it only the curves are drawn)",
+    )
+    out.add_argument("--overwrite", action="store_true", help="replace a run already in --out")
+    out.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="continue the run in DIR from its checkpoint, with its own options",
+    )
+    out.add_argument(
+        "--checkpoint-every", type=int, help="steps between checkpoints (default: an epoch)"
+    )
+    out.add_argument(
+        "--external-weights",
+        action="store_true",
+        help="train.pte keeps its weights in train.ptd beside it",
+    )
+    out.add_argument(
+        "--png",
+        type=Path,
+        help="curves (default <out>/curves.png, or out/finetune.png without --out)",
+    )
+
+
+# --- the run's inputs, checked before anything is written ------------------------------
+
+
+@dataclasses.dataclass
+class Inputs:
+    train: tuple[torch.Tensor, torch.Tensor]
+    val: tuple[torch.Tensor, torch.Tensor]
+    classes: list[str]
+    normalize: finetune_data.Normalize
+    model: torch.nn.Module
+    notes: list[str]  # what the command tells the user about its inputs
+    fingerprint: str  # of the normalised data: a resumed run must read the same
+
+
+def _fingerprint(*tensors: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _read_data(args: argparse.Namespace) -> tuple[Any, Any, list[str], Any, str]:
+    """(train, val, classes, normalize, description)."""
+    if args.data is None:
+        if args.val is not None or args.val_split is not None:
+            raise UsageError("--val and --val-split need --data (the digits have their own split)")
+        split = finetune.digits(args.size, args.seed)
+        classes = [str(i) for i in range(10)]
+        described = (
+            f"digits {len(split.train[1])} train / {len(split.test[1])} held out "
+            f"at {args.size}x{args.size}"
+        )
+        return split.train, split.test, classes, finetune_data.Normalize.identity(), described
+    train = finetune_data.load(args.data, args.size)
+    if args.val is not None:
+        val = finetune_data.load(args.val, args.size, classes=train.classes)
+    else:
+        fraction = DEFAULT_VAL_SPLIT if args.val_split is None else args.val_split
+        train, val = finetune_data.holdout(train, fraction, args.seed)
+    normalize = finetune_data.Normalize.of(train.x)
+    described = (
+        f"{args.data}: {len(train)} train / {len(val)} held out, {len(train.classes)} classes "
+        f"at {args.size}x{args.size}"
+    )
+    return (
+        (normalize(train.x), train.y),
+        (normalize(val.x), val.y),
+        train.classes,
+        normalize,
+        described,
+    )
+
+
+def prepare(args: argparse.Namespace) -> Inputs:
+    """Read and check everything the run needs; raises ``UsageError`` and friends."""
+    if args.size <= 0 or args.batch <= 0:
+        raise UsageError("--size and --batch must be positive")
+    train, val, classes, normalize, described = _read_data(args)
+    notes = [described]
+    if args.model is not None:
+        model = finetune.user_model(args.model, len(classes), args.seed)
+    else:
+        model = finetune.architecture(args.arch, classes=len(classes), seed=args.seed)
+    if args.weights is not None:
+        replaced = finetune.load_weights(model, args.weights)
+        notes.append(f"weights: {args.weights}" + (f"; {replaced}" if replaced else ""))
+    finetune.check_size(model, args.size)
+    if len(train[1]) < args.batch:
+        raise UsageError(f"{len(train[1])} training samples, fewer than one batch of {args.batch}")
+    return Inputs(train, val, classes, normalize, model, notes, _fingerprint(*train, *val))
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    if args.out is None:
+        for name in ("overwrite", "checkpoint_every", "external_weights"):
+            if getattr(args, name):
+                raise UsageError(f"--{name.replace('_', '-')} needs --out")
+        return
+    if args.out.exists() and not args.out.is_dir():
+        raise UsageError(f"--out {args.out}: not a folder")
+    held = [n for n in finetune.RUN_FILES if (args.out / n).exists()]
+    if held and not args.resume and not args.overwrite:
+        raise UsageError(
+            f"--out {args.out} already holds a run ({', '.join(held)}): --resume {args.out} "
+            "continues it, --overwrite replaces it"
+        )
+
+
+def _load_checkpoint(folder: Path) -> dict:
+    path = folder / finetune.CHECKPOINT_FILE
+    if not path.is_file():
+        raise UsageError(f"--resume {folder}: no {finetune.CHECKPOINT_FILE} there")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # truncated or foreign
+        raise UsageError(f"{path}: not readable ({type(err).__name__}: {err})") from None
+    if not isinstance(state, dict) or state.get("format") != finetune.CHECKPOINT_FORMAT:
+        raise UsageError(f"{path}: not a checkpoint of qnn-convbwd finetune")
+    return state
+
+
+# Options a checkpoint stores; --resume runs with these.
+STORED = (
+    "data",
+    "val",
+    "val_split",
+    "size",
+    "arch",
+    "model",
+    "weights",
+    "scheme",
+    "batch",
+    "steps",
+    "epochs",
+    "eval_every",
+    "lr",
+    "lr_schedule",
+    "momentum",
+    "weight_decay",
+    "soc",
+    "seed",
+    "cpu",
+    "no_torch",
+    "torch_masks",
+    "eval_mode",
+    "checkpoint_every",
+    "external_weights",
+    "png",
+)
+
+
+def _stored_args(args: argparse.Namespace) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in STORED}
+
+
+def _restore_args(args: argparse.Namespace, stored: dict) -> argparse.Namespace:
+    paths = {"data", "val", "weights", "png"}
+    values = {k: Path(v) if k in paths and v is not None else v for k, v in stored.items()}
+    return argparse.Namespace(**{**vars(args), **values, "out": args.resume, "overwrite": False})
+
+
+# --- progress -------------------------------------------------------------------------
 
 
 class Progress:
-    """``fit``'s progress: a tqdm bar on a terminal (else none), and one line per evaluation
-    with the mean training loss since the previous one and the test accuracy, program
-    next to torch."""
+    """``fit``'s progress: a tqdm bar on a terminal (loss, accuracy and time left beside
+    it), and a line at each evaluation and every twentieth of the run: step, epoch, mean
+    training loss since the previous line, held-out accuracy, program next to torch, and
+    the time left."""
 
-    def __init__(self, bar: bool) -> None:
+    def __init__(self, bar: bool, torch_reference: bool = True) -> None:
         self.show_bar = bar
+        self.torch_reference = torch_reference
         self.bar = None
-        self.since = 0  # steps done at the previous evaluation
+        self.since = None  # steps done at the previous line
+        self.started: tuple[float, int] | None = None  # (time, steps) at the first step
 
     def header(self) -> str:
+        torch_columns = f"  {'loss torch':>12}" if self.torch_reference else ""
+        torch_accuracy = f"  {'acc torch':>9}" if self.torch_reference else ""
         return (
-            f"{'step':>6}  {'epoch':>6}  {'loss program':>12}  {'loss torch':>12}  "
-            f"{'acc program':>11}  {'acc torch':>11}"
+            f"{'step':>6}  {'epoch':>6}  {'loss program':>12}{torch_columns}  "
+            f"{'acc program':>11}{torch_accuracy}  {'left':>8}"
         )
+
+    def left(self, done: int, total: int) -> float:
+        """Seconds left at the mean pace of the steps this process ran (NaN before two)."""
+        now = time.perf_counter()
+        if self.started is None:
+            self.started = (now, done)
+            return math.nan
+        seconds, steps = now - self.started[0], done - self.started[1]
+        return seconds / steps * (total - done) if steps > 0 else math.nan
 
     def __call__(
         self, result: finetune.FitResult, total: int, evaluation: finetune.Evaluation | None
     ) -> None:
+        done = len(result.steps)
+        if self.since is None:
+            self.since = done
+        left = self.left(done, total)
         if self.show_bar and self.bar is None:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc="training", unit="step", file=sys.stdout)
+            self.bar = tqdm(
+                total=total, initial=done, desc="training", unit="step", file=sys.stdout
+            )
         if self.bar is not None and result.steps:
-            self.bar.update(len(result.steps) - self.bar.n)
-        if evaluation is None:
+            self.bar.update(done - self.bar.n)
+            accuracy = result.evaluations[-1].program_accuracy if result.evaluations else math.nan
+            self.bar.set_postfix(
+                loss=f"{result.steps[-1].program_loss:.4f}", acc=f"{100 * accuracy:.1f}%"
+            )
+        every = max(1, total // 20)
+        if evaluation is None and (done == 0 or done % every or self.bar is not None):
             return
-        recent = result.steps[self.since : evaluation.step]
-        self.since = evaluation.step
-        if recent:
-            program = sum(s.program_loss for s in recent) / len(recent)
-            reference = sum(s.torch_loss for s in recent) / len(recent)
-            losses = f"{program:>12.4f}  {reference:>12.4f}"
-        else:
-            losses = f"{'-':>12}  {'-':>12}"
-        program_accuracy = f"{100 * evaluation.program_accuracy:.1f}%"
-        torch_accuracy = f"{100 * evaluation.torch_accuracy:.1f}%"
-        line = (
-            f"{evaluation.step:>6}  {evaluation.epoch:>6.2f}  {losses}  "
-            f"{program_accuracy:>11}  {torch_accuracy:>11}"
-        )
+        recent = result.steps[self.since : done]
+        self.since = done
+        line = self.line(result, done, total, recent, evaluation, left)
         if self.bar is not None:
             self.bar.write(line, file=sys.stdout)
         else:
             print(line, flush=True)
 
+    def line(
+        self,
+        result: finetune.FitResult,
+        done: int,
+        total: int,
+        recent: list,
+        evaluation: finetune.Evaluation | None,
+        left: float,
+    ) -> str:
+        def mean(values: list[float]) -> str:
+            return f"{sum(values) / len(values):>12.4f}" if values else f"{'-':>12}"
+
+        def percent(value: float | None, width: int) -> str:
+            return f"{'-':>{width}}" if value is None else f"{100 * value:>{width - 1}.1f}%"
+
+        epoch = f"{evaluation.epoch:>6.2f}" if evaluation else f"{'':>6}"
+        columns = [f"{done:>6}", epoch]
+        columns.append(mean([s.program_loss for s in recent]))
+        if self.torch_reference:
+            columns.append(mean([s.torch_loss for s in recent]))
+        columns.append(percent(evaluation and evaluation.program_accuracy, 11))
+        if self.torch_reference:
+            columns.append(percent(evaluation and evaluation.torch_accuracy, 9))
+        columns.append(f"{_duration(left):>8}")
+        return "  ".join(columns)
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds:  # NaN: not known yet
+        return "-"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
 def summary(result: finetune.FitResult, png: Path | None) -> list[str]:
@@ -126,16 +397,18 @@ def summary(result: finetune.FitResult, png: Path | None) -> list[str]:
         lines.append(f"ops on CPU by rule: {kept}")
     else:
         lines.append("ops on CPU: none")
-    lines.append(
-        f"step time: {1000 * result.mean_step_seconds:.1f} ms (program), "
-        f"{1000 * result.mean_torch_step_seconds:.1f} ms (torch eager), mean after the first"
-    )
+    step_time = f"step time: {1000 * result.mean_step_seconds:.1f} ms (program)"
+    if result.torch_reference:
+        step_time += f", {1000 * result.mean_torch_step_seconds:.1f} ms (torch eager)"
+    lines.append(step_time + ", mean after the first")
     final = result.evaluations[-1]
-    gap = 100 * (final.program_accuracy - final.torch_accuracy)
-    lines.append(
-        f"test accuracy after {final.step} steps: {100 * final.program_accuracy:.1f}% (program), "
-        f"{100 * final.torch_accuracy:.1f}% (torch), {gap:+.1f} points"
+    accuracy = (
+        f"held-out accuracy after {final.step} steps: {100 * final.program_accuracy:.1f}% (program)"
     )
+    if result.torch_reference:
+        gap = 100 * (final.program_accuracy - final.torch_accuracy)
+        accuracy += f", {100 * final.torch_accuracy:.1f}% (torch), {gap:+.1f} points"
+    lines.append(accuracy)
     if result.dropped_per_epoch:
         lines.append(
             f"{result.dropped_per_epoch} training samples past the last full batch of "
@@ -145,32 +418,163 @@ def summary(result: finetune.FitResult, png: Path | None) -> list[str]:
     return lines
 
 
+# --- outputs --------------------------------------------------------------------------
+
+
+def write_outputs(
+    args: argparse.Namespace,
+    inputs: Inputs,
+    result: finetune.FitResult,
+    png: Path | None,
+    seconds: dict[str, float],
+) -> list[str]:
+    """model.pt, train.pte (+ .ptd), infer.pte and report.json under ``args.out``, each
+    written atomically; returns the lines to print."""
+    out: Path = args.out
+    finetune.save_atomic(out / "model.pt", result.program_state)
+    start = time.perf_counter()
+    pte, ptd = result.program.emit(result.program_final)
+    finetune.write_atomic(out / "train.pte", pte)
+    if ptd is not None:
+        finetune.write_atomic(out / "train.ptd", ptd)
+    else:
+        (out / "train.ptd").unlink(missing_ok=True)
+    seconds["emit_train_pte"] = time.perf_counter() - start
+    trained = finetune.apply_scheme(copy.deepcopy(inputs.model), args.scheme)
+    trained.load_state_dict(result.program_state)
+    inference = finetune.lower_inference(trained, inputs.val[0][:1], result.soc)
+    seconds["lower_infer_pte"] = inference.lowering_seconds
+    finetune.write_atomic(out / "infer.pte", inference.pte)
+    final = result.evaluations[-1]
+    report = {
+        "val_accuracy": final.program_accuracy,
+        "torch_val_accuracy": final.torch_accuracy if result.torch_reference else None,
+        "steps": len(result.steps),
+        "classes": inputs.classes,
+        "normalize": {
+            "mean": inputs.normalize.mean,
+            "std": inputs.normalize.std,
+            "applied_to": "pixels in [0, 1], (x - mean) / std per channel",
+        },
+        "input": [1, 3, args.size, args.size],
+        "soc": result.soc,
+        "delegates": {"train": result.delegates, "infer": inference.delegates},
+        "losses": [s.program_loss for s in result.steps],
+        "torch_losses": [s.torch_loss for s in result.steps] if result.torch_reference else None,
+        "evaluations": [dataclasses.asdict(e) for e in result.evaluations],
+        "seconds": seconds,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "files": {},
+    }
+    report["files"] = {
+        n: (out / n).stat().st_size
+        for n in ("model.pt", "train.pte", "train.ptd", "infer.pte")
+        if (out / n).exists()
+    }
+    if png is not None:
+        report["files"]["curves.png"] = png.stat().st_size
+    finetune.write_atomic(
+        out / "report.json",
+        (json.dumps(_json_safe(report), indent=1, allow_nan=False) + "\n").encode(),
+    )
+    return [
+        f"{out}: model.pt, {'train.pte + train.ptd' if ptd else 'train.pte'}, infer.pte "
+        f"({inference.delegates} delegate(s)), report.json"
+    ]
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with NaN (a value not measured: torch's, without a torch copy) as None."""
+    if isinstance(value, float) and value != value:
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+# --- the command ----------------------------------------------------------------------
+
+
 def run(args: argparse.Namespace) -> int:
     from ..toolchain import SdkUnavailable, ensure_sdk
+    from ..torchvision_import import TorchvisionUnavailable
 
+    checkpoint = None
     try:
-        data = finetune.digits(args.size, args.seed)
+        if args.resume is not None:
+            checkpoint = _load_checkpoint(args.resume)
+            args = _restore_args(args, checkpoint["args"])
+        _check_out(args)
+        inputs = prepare(args)
+        if checkpoint is not None and checkpoint.get("fingerprint") != inputs.fingerprint:
+            raise UsageError(
+                f"--resume {args.resume}: the data read now differs from the run's "
+                "(files changed since it started)"
+            )
         # The CPU-only program is lowered through the QNN partitioner too (for SM8350).
         ensure_sdk()
-    except (finetune.MissingDependency, SdkUnavailable) as err:
+    except (
+        UsageError,
+        finetune_data.DataError,
+        finetune.ModelError,
+        finetune.MissingDependency,
+        TorchvisionUnavailable,
+        SdkUnavailable,
+        ValueError,
+    ) as err:
         print(f"qnn-convbwd finetune: {err}", file=sys.stderr)
         return 2
-    model = finetune.architecture(args.arch, seed=args.seed)
+    # Nothing was written before this point.
+    png = args.png
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        # Temporary files of a run killed while it wrote one (finetune.write_atomic).
+        for stale in [*args.out.glob(".*.tmp"), *args.out.glob(".*.tmp.png")]:
+            stale.unlink(missing_ok=True)
+        if args.overwrite:
+            for name in finetune.RUN_FILES:
+                (args.out / name).unlink(missing_ok=True)
+        png = png or args.out / "curves.png"
+    png = png or Path("out/finetune.png")
+    name = args.model or args.arch
     mode = "eval()" if args.eval_mode else "train()"
     where = "CPU-only program" if args.cpu else f"{args.soc} on the HTP simulator"
     print(
-        f"qnn-convbwd finetune: {args.arch}, scheme {args.scheme}, in {mode}, {where}; digits "
-        f"{len(data.train[1])} train / {len(data.test[1])} test at {args.size}x{args.size}, "
-        f"batch {args.batch}, lr {args.lr:g}, momentum {args.momentum:g}"
-        + ("" if args.eval_mode else f"; torch's dropout masks: {args.torch_masks}")
+        f"qnn-convbwd finetune: {name}, scheme {args.scheme}, in {mode}, {where}; "
+        f"batch {args.batch}, lr {args.lr:g} ({args.lr_schedule}), momentum {args.momentum:g}"
+        + ("; no torch copy" if args.no_torch else "")
+        + (
+            ""
+            if args.eval_mode or args.no_torch
+            else f"; torch's dropout masks: {args.torch_masks}"
+        )
     )
-    progress = Progress(bar=sys.stdout.isatty() and not args.no_progress)
+    for note in inputs.notes:
+        print(note)
+    if checkpoint is not None:
+        print(f"resuming {args.resume} after step {checkpoint['step']} of {checkpoint['total']}")
+
+    def save_checkpoint(state: dict) -> None:
+        state.update(
+            args=_stored_args(args),
+            fingerprint=inputs.fingerprint,
+            normalize=dataclasses.asdict(inputs.normalize),
+            classes=inputs.classes,
+        )
+        finetune.save_atomic(args.out / finetune.CHECKPOINT_FILE, state)
+
+    progress = Progress(
+        bar=sys.stdout.isatty() and not args.no_progress, torch_reference=not args.no_torch
+    )
     print(progress.header())
+    started = time.perf_counter()
     try:
         result = finetune.fit(
-            model,
-            data.train,
-            data.test,
+            inputs.model,
+            inputs.train,
+            inputs.val,
             scheme=args.scheme,
             soc=args.soc,
             batch=args.batch,
@@ -185,15 +589,28 @@ def run(args: argparse.Namespace) -> int:
             torch_masks=args.torch_masks,
             eval_every=args.eval_every,
             on_progress=progress,
+            torch_reference=not args.no_torch,
+            lr_schedule=args.lr_schedule,
+            checkpoint_every=args.checkpoint_every,
+            on_checkpoint=save_checkpoint if args.out is not None else None,
+            resume=checkpoint,
+            external_weights=args.external_weights,
         )
     finally:
         progress.close()
-    result.name = args.arch
+    seconds = {
+        "lowering_train": result.lowering_seconds,
+        "training": time.perf_counter() - started - result.lowering_seconds,
+    }
+    result.name = name
     try:
-        png = result.plot(args.png)
+        png = finetune.plot_atomic(result, png) if args.out else result.plot(png)
     except finetune.MissingDependency as err:
         print(f"curves not drawn: {err}")
         png = None
-    for line in summary(result, png):
+    lines = summary(result, png)
+    if args.out is not None:
+        lines += write_outputs(args, inputs, result, png, seconds)
+    for line in lines:
         print(line)
     return 0

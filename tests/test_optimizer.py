@@ -339,3 +339,35 @@ def test_adam_follows_torch(qnn_sdk):
         session.optimizer_state_dict(), reference.optimizer.state_dict(), **TOLERANCE
     )
     session.close()
+
+
+# --- on the HTP simulator ---------------------------------------------------------------
+
+
+def test_adamw_on_the_htp_follows_torch(qnn_sdk):
+    """The demo network (adapter + plain, strided and depthwise convolutions, MSE), all
+    trainable, lowered for SM8650: one delegate computes the forward and the backward,
+    the AdamW update runs on CPU, and every step's loss stays within the train-mode
+    bound of torch fp32 + torch.optim.AdamW."""
+    from qnn_convbwd.commands import models
+
+    _, model, (x, target) = models.reference_model("demo", trainable_backbone=True)
+    optimizer = training.AdamW(0.01)
+    program = training.lower_for_training(
+        copy.deepcopy(model), (x, target), harness.compile_specs("SM8650"), optimizer=optimizer
+    )
+    assert harness.delegate_count(program.edge) == 1
+    # Every convolution_backward on the HTP; the update's ops on CPU.
+    assert program.report.delegated == len(program.report.rows) > 0
+    assert any(op.rule == "optimizer_on_cpu" for op in program.report.on_cpu)
+    session = program.session()
+    reference = copy.deepcopy(model)
+    torch_optimizer = optimizer.torch_optimizer(list(reference.parameters()))
+    for _ in range(STEPS):
+        loss = session.step([x, target])
+        torch_optimizer.zero_grad()
+        expected = reference(x, target)
+        expected.backward()
+        torch_optimizer.step()
+        assert abs(loss - expected.item()) <= 3e-2 * max(1.0, abs(expected.item()))
+    session.close()

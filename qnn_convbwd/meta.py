@@ -62,6 +62,16 @@ WEIGHT_VIEW = "qnn_convbwd_weight_view"
 GRAD_VIEW = "qnn_convbwd_grad_view"
 GRAD_TO_TORCH = "qnn_convbwd_grad_to_torch"
 
+# passes/optimizer.py, kept in ``node.meta["custom"]`` (torch carries that dict through
+# the decompositions executorch runs, onto every node an op decomposes into; the keys
+# above live in ``node.meta`` itself). TRAINED, on the placeholder of a parameter the
+# program's own optimizer updates (a mutated buffer): its name; the plugin treats it
+# as a trainable parameter (``signature``). OPTIMIZER, on every node of the update:
+# the parameter or buffer it updates; the partition rule ``optimizer_on_cpu`` keeps
+# the node on CPU.
+TRAINED = "qnn_convbwd_trained"
+OPTIMIZER = "qnn_convbwd_optimizer"
+
 ALL = (
     NAME_SEEN,
     PINNED,
@@ -76,4 +86,6 @@ ALL = (
     WEIGHT_VIEW,
     GRAD_VIEW,
     GRAD_TO_TORCH,
+    TRAINED,
+    OPTIMIZER,
 )

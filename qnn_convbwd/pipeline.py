@@ -44,6 +44,7 @@ from . import context_cache, delegate_io, integration, parallel_finalize, progre
 from .partition import judge
 from .partition.target import Target
 from .passes import canonicalize, layout, preserve_output_dtypes, record_output_dtypes
+from .passes import optimizer as optimizer_pass
 from .passes import train_mode as train_mode_pass
 from .passes.batch_norm import StableBatchNorm
 from .passes.conv_batch_norm import FoldConvolutionBatchNorm
@@ -225,6 +226,15 @@ def stages() -> tuple[Stage, ...]:
         ),
     )
     return (
+        Stage(
+            "aten",
+            "in_program_optimizer",
+            optimizer_pass.attach,
+            "run by training.lower_for_training(optimizer=...) on the joint program before "
+            "lower(): trainable parameters, the optimizer's state, the learning rate (and a "
+            "dynamic loss scale) become buffers the program updates, the gradients feed the "
+            "update, which the rule optimizer_on_cpu keeps on CPU in fp32",
+        ),
         Stage(
             "aten",
             "train_mode",

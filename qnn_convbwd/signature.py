@@ -5,8 +5,11 @@ returns one ``GRADIENT_TO_PARAMETER`` output per trainable parameter. Those
 parameters must stay top-level tensors of the lowered program: ExecuTorch's
 training runtime hands them to the optimizer, which updates them in place, and
 the delegate must read them at run time (a static copy inside a QNN context
-would never see an update). Everything else the program reads as a parameter,
-buffer or constant is frozen and may be baked into the delegate.
+would never see an update). A program that applies its own optimizer
+(``passes.optimizer``) returns no gradients: its trainable parameters are buffers
+it updates, whose placeholders carry ``meta.TRAINED``; they are trainable in the
+same sense. Everything else the program reads as a parameter, buffer or constant
+is frozen and may be baked into the delegate.
 """
 
 from __future__ import annotations
@@ -14,14 +17,30 @@ from __future__ import annotations
 import torch
 from torch.export.graph_signature import OutputKind
 
+from .meta import TRAINED
+
+
+def trained_in_program(node: object) -> str | None:
+    """The name of the parameter ``node`` reads when it is the placeholder of one the
+    program's own optimizer updates (``passes.optimizer``), else None."""
+    if not isinstance(node, torch.fx.Node) or node.op != "placeholder":
+        return None
+    return node.meta.get("custom", {}).get(TRAINED)
+
 
 def trainable_parameters(program: torch.export.ExportedProgram) -> set[str]:
-    """Fully qualified names of the parameters the program returns a gradient for."""
-    return {
+    """Fully qualified names of the parameters the program returns a gradient for, or
+    updates with its own optimizer."""
+    names = {
         spec.target
         for spec in program.graph_signature.output_specs
         if spec.kind == OutputKind.GRADIENT_TO_PARAMETER and spec.target is not None
     }
+    to_buffer = program.graph_signature.inputs_to_buffers
+    for node in program.graph.find_nodes(op="placeholder"):
+        if trained_in_program(node) and node.name in to_buffer:
+            names.add(to_buffer[node.name])
+    return names
 
 
 def trainable_placeholders(
@@ -35,11 +54,12 @@ def trainable_placeholders(
     trainable = trainable_parameters(program)
     if not trainable:
         return []
-    to_parameter = program.graph_signature.inputs_to_parameters
+    signature = program.graph_signature
+    to_state = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     return [
         node
         for node in (program.graph if graph is None else graph).nodes
-        if node.op == "placeholder" and to_parameter.get(node.name) in trainable
+        if node.op == "placeholder" and to_state.get(node.name) in trainable
     ]
 
 
@@ -47,6 +67,8 @@ def is_trainable_parameter(node: object, program: torch.export.ExportedProgram) 
     """``node`` is the placeholder of a parameter ``program`` returns a gradient for."""
     if not isinstance(node, torch.fx.Node) or node.op != "placeholder":
         return False
+    if trained_in_program(node) is not None:
+        return node.name in program.graph_signature.inputs_to_buffers
     fqn = program.graph_signature.inputs_to_parameters.get(node.name)
     return fqn is not None and fqn in trainable_parameters(program)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import tempfile
 import time
 import warnings
@@ -31,7 +32,15 @@ from typing import Any
 
 import torch
 
-from . import integration, progress
+from . import integration, options, progress
+from .passes import optimizer as optimizer_pass
+
+# The in-program optimizer's settings (``lower_for_training(optimizer=..., loss_scale=...)``).
+from .passes.optimizer import SGD as SGD
+from .passes.optimizer import Adam as Adam
+from .passes.optimizer import AdamW as AdamW
+from .passes.optimizer import DynamicLossScale as DynamicLossScale
+from .passes.optimizer import OptimizerError as OptimizerError
 
 
 class WithLoss(torch.nn.Module):
@@ -173,7 +182,63 @@ def _mutable_buffer_names(pte: bytes) -> list[str]:
     return names
 
 
-class TrainingSession:
+class _State:
+    """``state_dict`` / ``load_state_dict`` of a session, over its ``_targets()``: eager
+    name -> (kind, the tensor the state lives in)."""
+
+    layout: StateLayout
+
+    def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer under the eager module's names (copies):
+        trainable parameters and updated buffers from the runtime, the rest as baked
+        into the program (``layout.constants``)."""
+        return {name: t.detach().clone() for name, (_, t) in self._targets().items()}
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Set the trainable parameters and updated buffers in the runtime (training goes
+        on from there). Values of constants must equal those baked into the program.
+        Nothing is written unless every name, shape and constant fits."""
+        targets = self._targets()
+        problems = []
+        if strict:
+            missing = sorted(set(targets) - set(state))
+            unexpected = sorted(set(state) - set(targets))
+            if missing:
+                problems.append(f"missing: {missing}")
+            if unexpected:
+                problems.append(f"unexpected (not in the program): {unexpected}")
+        shapes = [
+            f"{name}: {tuple(value.shape)} in the state, {tuple(targets[name][1].shape)} in the "
+            "program"
+            for name, value in state.items()
+            if name in targets and tuple(value.shape) != tuple(targets[name][1].shape)
+        ]
+        if shapes:
+            problems.append("shape mismatch: " + "; ".join(shapes))
+        if problems:
+            raise StateDictError("state dict does not fit the program: " + "; ".join(problems))
+        changed = sorted(
+            name
+            for name, value in state.items()
+            if name in targets
+            and targets[name][0] == "constant"
+            and not torch.equal(value.detach().to(targets[name][1].dtype), targets[name][1])
+        )
+        if changed:
+            raise StateDictError(
+                f"these values are baked into the program as constants and differ: {changed}; "
+                "they cannot change without lowering the program again"
+            )
+        with torch.no_grad():
+            for name, value in state.items():
+                if name in targets and targets[name][0] != "constant":
+                    targets[name][1].copy_(value.detach())
+
+
+class TrainingSession(_State):
     """A lowered joint program loaded by executorch's runtime, trained with its SGD.
 
     Each ``step`` runs the program's ``forward`` method (loss, gradients, and the
@@ -348,51 +413,239 @@ class TrainingSession:
             targets[name] = ("constant", value)
         return targets
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and persistent buffer under the eager module's names (copies):
-        trainable parameters and updated buffers from the runtime, the rest as baked
-        into the program (``layout.constants``)."""
-        return {name: t.detach().clone() for name, (_, t) in self._targets().items()}
 
-    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Set the trainable parameters and updated buffers in the runtime (training goes
-        on from there). Values of constants must equal those baked into the program.
-        Nothing is written unless every name, shape and constant fits."""
-        targets = self._targets()
-        problems = []
-        if strict:
-            missing = sorted(set(targets) - set(state))
-            unexpected = sorted(set(state) - set(targets))
-            if missing:
-                problems.append(f"missing: {missing}")
-            if unexpected:
-                problems.append(f"unexpected (not in the program): {unexpected}")
-        shapes = [
-            f"{name}: {tuple(value.shape)} in the state, {tuple(targets[name][1].shape)} in the "
-            "program"
-            for name, value in state.items()
-            if name in targets and tuple(value.shape) != tuple(targets[name][1].shape)
-        ]
-        if shapes:
-            problems.append("shape mismatch: " + "; ".join(shapes))
-        if problems:
-            raise StateDictError("state dict does not fit the program: " + "; ".join(problems))
-        changed = sorted(
-            name
-            for name, value in state.items()
-            if name in targets
-            and targets[name][0] == "constant"
-            and not torch.equal(value.detach().to(targets[name][1].dtype), targets[name][1])
-        )
-        if changed:
-            raise StateDictError(
-                f"these values are baked into the program as constants and differ: {changed}; "
-                "they cannot change without lowering the program again"
+class ProgramOptimizerSession(_State):
+    """A program that applies its own optimizer (``lower_for_training(...,
+    optimizer=...)``), loaded by executorch's runtime: each ``step`` is one call of its
+    ``forward`` method, which runs the forward, the backward and the update and returns
+    the loss. Parameters, optimizer state, learning rate and loss scale are buffers of
+    the loaded method, read and written by name."""
+
+    def __init__(
+        self,
+        pte: bytes,
+        optimizer: optimizer_pass.ProgramOptimizer,
+        ptd: bytes | None = None,
+        *,
+        layout: StateLayout | None = None,
+    ) -> None:
+        pte = bytes(pte)
+        self.pte, self.ptd = pte, None if ptd is None else bytes(ptd)
+        self._data_file = None
+        if self.ptd is not None:
+            self._data_file = tempfile.NamedTemporaryFile(suffix=".ptd")
+            self._data_file.write(self.ptd)
+            self._data_file.flush()
+        self._loaded = _LoadedProgram(pte, self._data_file and self._data_file.name)
+        self._forward = self._loaded.method("forward")
+        self.optimizer = optimizer
+        names = _mutable_buffer_names(pte)
+        missing = sorted((set(optimizer.parameters) | set(optimizer.buffers)) - set(names))
+        if missing:
+            self.close()
+            raise optimizer_pass.OptimizerError(
+                f"the program holds no buffers named {missing}: it was not lowered with "
+                "this optimizer (or without emit_mutable_buffer_names)"
             )
+        trained = set(optimizer.parameters)
+        self._buffer_names = [n for n in names if n not in trained]
+        if layout is None:
+            layout = StateLayout(shared_prefix(names))
+        self.layout = layout
+
+    def close(self) -> None:
+        """Release the loaded program, then the bytes it was loaded from (in that order)."""
+        for name in ("_forward", "_loaded"):
+            self.__dict__.pop(name, None)
+        data_file = self.__dict__.pop("_data_file", None)
+        if data_file is not None:
+            data_file.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+    def _buffer(self, name: str) -> torch.Tensor:
+        """The loaded method's own tensor of a buffer (writing into it changes the next
+        step)."""
+        return self._forward.get_attribute(name)
+
+    def step(self, inputs: Sequence[torch.Tensor]) -> float:
+        """One training step (one call of the program's ``forward``); returns the loss."""
+        outputs = self._forward.call(list(inputs), clone_outputs=False)
+        return float(outputs[0])
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step uses (a buffer of the program)."""
+        return float(self._buffer(optimizer_pass.LR_BUFFER))
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        if not value >= 0:
+            raise ValueError(f"invalid learning rate {value}")
+        self._buffer(optimizer_pass.LR_BUFFER).fill_(float(value))
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The dynamic loss scale the next step seeds its backward with (None without
+        one)."""
+        if self.optimizer.loss_scale is None:
+            return None
+        return float(self._buffer(optimizer_pass.SCALE_BUFFER))
+
+    @loss_scale.setter
+    def loss_scale(self, value: float) -> None:
+        """Set the scale, as ``GradScaler.update(new_scale)`` does."""
+        if self.optimizer.loss_scale is None:
+            raise ValueError("this program keeps no loss scale (lowered without loss_scale=)")
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"invalid loss scale {value}")
+        self._buffer(optimizer_pass.SCALE_BUFFER).fill_(float(value))
+
+    def scaler_state_dict(self) -> dict[str, Any]:
+        """The loss scale's state in ``torch.amp.GradScaler.state_dict()``'s format."""
+        settings = self.optimizer.loss_scale
+        if settings is None:
+            raise ValueError("this program keeps no loss scale (lowered without loss_scale=)")
+        return {
+            "scale": self.loss_scale,
+            "growth_factor": settings.growth_factor,
+            "backoff_factor": settings.backoff_factor,
+            "growth_interval": settings.growth_interval,
+            "_growth_tracker": int(self._buffer(optimizer_pass.GROWTH_BUFFER)),
+        }
+
+    def load_scaler_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Set the loss scale and its growth tracker from ``scaler_state_dict()`` (or a
+        ``GradScaler``'s); its factors and interval are baked into the program and must
+        match."""
+        current = self.scaler_state_dict()
+        differ = [
+            f"{key}={state.get(key)!r}, the program has {current[key]!r}"
+            for key in ("growth_factor", "backoff_factor", "growth_interval")
+            if state.get(key) != current[key]
+        ]
+        if differ:
+            raise StateDictError("loss scale state does not fit the program: " + "; ".join(differ))
+        tracker = int(state["_growth_tracker"])
+        if not 0 <= tracker < current["growth_interval"]:
+            raise StateDictError(f"loss scale state: invalid _growth_tracker {tracker}")
+        self.loss_scale = float(state["scale"])
+        self._buffer(optimizer_pass.GROWTH_BUFFER).fill_(tracker)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The runtime's own trainable parameter tensors, by program name."""
+        return {name: self._buffer(name) for name in self.optimizer.parameters}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """Current values (copies) of the module's buffers the program updates (batch
+        norm running statistics), by program name."""
+        return {
+            name: self._buffer(name).clone()
+            for name in self._buffer_names
+            if not name.startswith(PLUGIN_BUFFER_PREFIX)
+        }
+
+    def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
+        eager = self.layout.eager_name
+        targets = {eager(n): ("parameter", t) for n, t in self.parameters().items()}
+        for name in self._buffer_names:
+            if name not in self.layout.transient and not name.startswith(PLUGIN_BUFFER_PREFIX):
+                targets[eager(name)] = ("buffer", self._buffer(name))
+        for name, value in self.layout.constants.items():
+            targets[name] = ("constant", value)
+        return targets
+
+    def _steps(self) -> float:
+        if not self.optimizer.optimizer.counts_steps:
+            return 0.0
+        return float(self._buffer(optimizer_pass.STEP_BUFFER))
+
+    def _torch_optimizer(self) -> torch.optim.Optimizer:
+        params = [p.detach().clone() for p in self.parameters().values()]
+        optimizer = self.optimizer.optimizer.torch_optimizer(params)
+        optimizer.param_groups[0]["lr"] = self.lr
+        return optimizer
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The optimizer's state in ``torch.optim``'s format: ``state`` keyed by the
+        parameter's index (the order of the module's trainable parameters),
+        ``param_groups`` as the same torch optimizer gives them."""
+        groups = self._torch_optimizer().state_dict()["param_groups"]
+        steps = self._steps()
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        if steps > 0 and self.optimizer.optimizer.state_keys():
+            for index, names in enumerate(self.optimizer.state):
+                entry = {}
+                if isinstance(self.optimizer.optimizer, optimizer_pass.Adam):
+                    entry["step"] = torch.tensor(steps, dtype=torch.float32)
+                entry.update({key: self._buffer(name).clone() for key, name in names.items()})
+                state[index] = entry
+        return {"state": state, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Set the learning rate and the optimizer's state from ``state_dict`` (torch.optim's
+        format, as ``optimizer_state_dict`` gives it or a torch optimizer of the same kind
+        and hyper-parameters). Hyper-parameters baked into the program must match.
+        Nothing is written unless all of it fits."""
+        groups = state_dict.get("param_groups")
+        count = len(self.optimizer.parameters)
+        if not isinstance(groups, (list, tuple)) or len(groups) != 1:
+            raise StateDictError("optimizer state: expected exactly one param group")
+        group = groups[0]
+        reference = self._torch_optimizer().state_dict()["param_groups"][0]
+        problems = []
+        if len(group.get("params", ())) != count:
+            problems.append(
+                f"{len(group.get('params', ()))} parameters, the program trains {count}"
+            )
+        for key, value in reference.items():
+            if key in ("lr", "params", "initial_lr"):
+                continue
+            theirs = group.get(key, value)
+            if (tuple(theirs) if isinstance(theirs, list) else theirs) != value:
+                problems.append(f"{key}={theirs!r}, the program has {value!r}")
+        entries = state_dict.get("state", {})
+        entries = {int(k): v for k, v in entries.items()}
+        keys = self.optimizer.optimizer.state_keys()
+        if entries and set(entries) != set(range(count)):
+            problems.append(f"state for parameters {sorted(entries)}, expected 0..{count - 1}")
+        steps = set()
+        writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for index, names in enumerate(self.optimizer.state):
+            entry = entries.get(index)
+            if entry is None:
+                continue
+            if "step" in entry:
+                steps.add(float(entry["step"]))
+            for key in keys:
+                value = entry.get(key)
+                target = self._buffer(names[key])
+                if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+                    shape = None if not isinstance(value, torch.Tensor) else tuple(value.shape)
+                    problems.append(
+                        f"{index}.{key}: {shape} in the state, {tuple(target.shape)} in the program"
+                    )
+                    continue
+                writes.append((target, value))
+        if len(steps) > 1:
+            problems.append(f"parameters at different step counts {sorted(steps)}")
+        if problems:
+            raise StateDictError("optimizer state does not fit the program: " + "; ".join(problems))
+        if not isinstance(group.get("lr"), (int, float)) or group["lr"] < 0:
+            raise StateDictError(f"optimizer state: invalid lr {group.get('lr')!r}")
         with torch.no_grad():
-            for name, value in state.items():
-                if name in targets and targets[name][0] != "constant":
-                    targets[name][1].copy_(value.detach())
+            if not entries:
+                for names in self.optimizer.state:
+                    for name in names.values():
+                        self._buffer(name).zero_()
+            for target, value in writes:
+                target.copy_(value.detach())
+            if self.optimizer.optimizer.counts_steps:
+                # SGD keeps no step in its state: any step past the first will do.
+                count_steps = steps.pop() if steps else (1.0 if entries else 0.0)
+                self._buffer(optimizer_pass.STEP_BUFFER).fill_(count_steps)
+        self.lr = float(group["lr"])
 
 
 @dataclasses.dataclass
@@ -491,6 +744,8 @@ class TrainingProgram:
     # emits), so ``emit`` can write the same program with other initial values.
     unemitted: Any = dataclasses.field(default=None, repr=False)
     external_weights: bool = False
+    # The optimizer the program applies itself (``lower_for_training(optimizer=...)``).
+    optimizer: optimizer_pass.ProgramOptimizer | None = None
 
     def emit(self, state: Mapping[str, torch.Tensor]) -> tuple[bytes, bytes | None]:
         """The ``.pte`` (and ``.ptd``) of this program with ``state``'s values as the
@@ -517,16 +772,36 @@ class TrainingProgram:
 
     def session(
         self,
-        lr: float,
+        lr: float | None = None,
         momentum: float = 0.0,
         weight_decay: float = 0.0,
         dampening: float = 0.0,
         nesterov: bool = False,
         *,
         etdump: bool = False,
-    ) -> TrainingSession:
-        """A fresh runtime of this program, from the module's initial values (``etdump``:
-        recording executorch's ETDump, ``TrainingSession.write_etdump``)."""
+    ) -> TrainingSession | ProgramOptimizerSession:
+        """A fresh runtime of this program, from the module's initial values.
+
+        A program lowered with ``optimizer=`` applies it itself: its session takes no
+        arguments (``ProgramOptimizerSession``). Otherwise executorch's SGD with these
+        options updates the parameters (``TrainingSession``; ``etdump``: recording
+        executorch's ETDump, ``TrainingSession.write_etdump``)."""
+        if self.optimizer is not None:
+            if etdump:
+                raise TypeError("etdump=True: not for a program that applies its own optimizer")
+            sgd = {"momentum": momentum, "weight_decay": weight_decay, "dampening": dampening}
+            given = [name for name, value in sgd.items() if value] + (["nesterov"] * nesterov)
+            if lr is not None or given:
+                raise TypeError(
+                    f"this program applies its own {type(self.optimizer.optimizer).__name__}: "
+                    "session() takes no optimizer arguments (set session.lr to change the "
+                    "learning rate)"
+                )
+            return ProgramOptimizerSession(
+                self.pte, self.optimizer, ptd=self.ptd, layout=self.layout
+            )
+        if lr is None:
+            raise TypeError("session(): lr is required (executorch's SGD updates this program)")
         return TrainingSession(
             self.pte,
             lr,
@@ -547,6 +822,8 @@ def lower_for_training(
     specs: list,
     *,
     external_weights: bool = False,
+    optimizer: SGD | Adam | None = None,
+    loss_scale: DynamicLossScale | None = None,
     **lower_options: Any,
 ) -> TrainingProgram:
     """``export_joint`` + ``qnn_convbwd.lower`` + ``to_executorch``: a program to train.
@@ -557,19 +834,42 @@ def lower_for_training(
     Buffers the program updates are emitted with their names, so a session reads
     and writes them. ``external_weights``: parameters and constants go to a
     ``.ptd`` beside the program (``TrainingProgram.ptd``).
+
+    ``optimizer`` (``SGD``, ``Adam``, ``AdamW``): the program applies it itself, so one
+    call of its ``forward`` is one training step returning the loss
+    (``passes.optimizer``); ``loss_scale`` (``DynamicLossScale``, with an optimizer
+    only): the program keeps a dynamic loss scale as ``torch.amp.GradScaler`` does.
     """
     from .api import lower
 
+    if loss_scale is not None and optimizer is None:
+        raise TypeError("loss_scale=DynamicLossScale(...) needs an in-program optimizer=")
+    if optimizer is not None and options.current.loss_scale != 1.0:
+        raise OptimizerError(
+            f"the static loss_scale option ({options.current.loss_scale}) and an in-program "
+            "optimizer do not combine: pass loss_scale=training.DynamicLossScale(...) instead"
+        )
     start = time.perf_counter()
     joint = export_joint(module, inputs)
+    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    layout = StateLayout.from_program(joint, shared_prefix(names))
+    attached = None
+    if optimizer is not None:
+        joint, attached = optimizer_pass.attach(joint, optimizer, loss_scale)
     result = lower(joint, specs, **lower_options)
     unemitted = copy.deepcopy(result.edge)
     pte, ptd = _emit(result.edge, external_weights)
     seconds = time.perf_counter() - start
-    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
-    layout = StateLayout.from_program(joint, shared_prefix(names))
     return TrainingProgram(
-        result.edge, result.report, pte, seconds, layout, ptd, unemitted, external_weights
+        result.edge,
+        result.report,
+        pte,
+        seconds,
+        layout,
+        ptd,
+        unemitted,
+        external_weights,
+        optimizer=attached,
     )
 
 

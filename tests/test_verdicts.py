@@ -323,6 +323,31 @@ def _unscale():
     return node, judge.Context(htp(program)), None
 
 
+@reaches(GRAPH, "optimizer_on_cpu")
+def _optimizer_update():
+    """The next value of a trained weight, computed by the in-program optimizer from
+    the weight and its gradient (nothing else would keep it on CPU)."""
+    from torch.export.experimental import _export_forward_backward
+
+    from qnn_convbwd.passes import optimizer
+
+    class Loss(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x):
+            return torch.relu(self.conv(x)).sum()
+
+    joint = _export_forward_backward(torch.export.export(Loss(), (torch.randn(1, 3, 6, 6),)))
+    program, _ = optimizer.attach(joint, optimizer.AdamW(1e-3))
+    with qnn_convbwd.enabled():
+        edge = to_edge(program).exported_program()
+    outputs = zip(edge.graph_signature.output_specs, edge.graph.output_node().args[0])
+    (update,) = [value for spec, value in outputs if spec.target == "conv.weight"]
+    return update, judge.Context(htp(edge)), None
+
+
 @reaches(GRAPH, "weight_layout_on_cpu")
 def _weight_to_device():
     program = _ops_program()

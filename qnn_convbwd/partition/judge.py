@@ -41,12 +41,14 @@ from ..meta import (
     INDICES_ON_HTP,
     NAME_SEEN,
     ON_CPU,
+    OPTIMIZER,
     SHAPE_OF,
     UNSCALE,
     WEIGHT_TO_DEVICE,
     WEIGHT_VIEW,
 )
 from ..nodes import origins
+from ..signature import trained_in_program
 from . import cpu_kernel, max_pool, support, trainable
 from .target import MIN_HTP_ARCH, Target, below_min_arch
 from .verdict import Decision, Fallback, Rejection, first_rejection, rules, settle
@@ -198,6 +200,22 @@ def loss_unscale(node, context):
     return Rejection("divides a gradient by the loss scale in fp32 on CPU", "loss_scale")
 
 
+def _optimizer_role(node: torch.fx.Node) -> str | None:
+    custom = node.meta.get("custom")
+    return custom.get(OPTIMIZER) if isinstance(custom, dict) else None
+
+
+@graph_rule
+def optimizer_on_cpu(node, context):
+    """The in-program optimizer's update (``passes.optimizer``): the parameters, the
+    optimizer's state and the loss scale are updated in fp32 on CPU, from the gradients
+    the delegate returns."""
+    role = _optimizer_role(node)
+    if role is None:
+        return None
+    return Rejection("the in-program optimizer updates in fp32 on CPU", role)
+
+
 @graph_rule
 def weight_layout_on_cpu(node, context):
     """The permutes between a trainable weight's torch layout and the delegate's
@@ -246,8 +264,14 @@ def _state_nodes(graph: torch.fx.Graph, program) -> dict[torch.fx.Node, str]:
     outputs = graph.output_node().args[0]
     if len(outputs) != len(signature.output_specs):
         return {}
+    # The in-program optimizer's nodes have their own rule (``optimizer_on_cpu``); the
+    # backward that computes the gradients they read is not state. Its parameters are
+    # read like parameters, not state.
+    trained = {n for n in graph.nodes if n.op == "placeholder" and trained_in_program(n)}
     mutations, other_outputs = set(), set()
     for value, spec in zip(outputs, signature.output_specs):
+        if isinstance(value, torch.fx.Node) and _optimizer_role(value) is not None:
+            continue
         is_mutation = spec.kind.name == "BUFFER_MUTATION"
         (mutations if is_mutation else other_outputs).add(value)
     stored = set(signature.inputs_to_lifted_tensor_constants) | {
@@ -256,7 +280,7 @@ def _state_nodes(graph: torch.fx.Graph, program) -> dict[torch.fx.Node, str]:
     found: dict[torch.fx.Node, str] = {}
     # Nodes whose every use is the next value of a mutated buffer.
     for n in reversed(graph.nodes):
-        if n.op != "call_function" or not n.users:
+        if n.op != "call_function" or not n.users or _optimizer_role(n) is not None:
             continue
         if all(
             found.get(user) == UPDATES_STATE
@@ -268,7 +292,9 @@ def _state_nodes(graph: torch.fx.Graph, program) -> dict[torch.fx.Node, str]:
     state = {
         n
         for n in graph.nodes
-        if n.op == "placeholder" and signature.inputs_to_buffers.get(n.name) in mutated
+        if n.op == "placeholder"
+        and signature.inputs_to_buffers.get(n.name) in mutated
+        and n not in trained
     }
     constant = {n for n in graph.nodes if n.op == "placeholder" and n.name in stored}
     for n in graph.nodes:

@@ -151,10 +151,22 @@ def graph(canary: Canary) -> tuple[torch.nn.Module, tuple, torch.export.Exported
 
 
 def judged(joint: torch.export.ExportedProgram, outputs: Sequence) -> list[torch.Tensor]:
-    """The program's loss and gradients, in the joint graph's order (a train() graph's
-    running-statistic updates, and the parameters a training program appends, left out)."""
-    specs = joint.graph_signature.output_specs
-    return [outputs[i] for i, spec in enumerate(specs) if spec.kind.name in JUDGED]
+    """The program's loss and gradients, in the joint graph's order.
+
+    A training program returns the joint graph's outputs, then the trained
+    parameters (``to_executorch``); a train() graph's running-statistic updates are
+    written back in place, not returned."""
+    kinds = [spec.kind.name for spec in joint.graph_signature.output_specs]
+    count = sum(kind in JUDGED for kind in kinds)
+    trained = kinds.count("GRADIENT_TO_PARAMETER")
+    if len(outputs) == count + trained:
+        return list(outputs[:count])
+    if len(outputs) == len(kinds) + trained:
+        return [outputs[i] for i, kind in enumerate(kinds) if kind in JUDGED]
+    raise ValueError(
+        f"{len(outputs)} program outputs for a joint graph of {len(kinds)} outputs "
+        f"({count} judged, {trained} trained parameters)"
+    )
 
 
 def measure(canary: Canary, cache: bool = True) -> Measurement:
@@ -249,9 +261,14 @@ def compare(recorded: Measurement | None, measured: Measurement) -> list[str]:
 
 
 def grew(recorded: float, measured: float) -> bool:
-    """Whether an error grew past ``GROWTH`` times its record (a non-finite one always)."""
-    if not math.isfinite(measured):
+    """Whether an error grew past ``GROWTH`` times its record. An infinite error (a
+    gradient zero in fp32, non-zero on the HTP: a train() batch norm's bias before
+    another batch norm is zero in exact arithmetic) grew only from a finite record;
+    a NaN always did."""
+    if math.isnan(measured):
         return True
+    if math.isinf(measured):
+        return not math.isinf(recorded)
     return measured > GROWTH * recorded
 
 

@@ -56,6 +56,9 @@ def test_an_error_fails_past_ten_percent_growth(factor, fails):
 def test_a_non_finite_error_and_a_missing_record_fail():
     recorded = _measurement({"loss": 1e-3})
     assert canary.compare(recorded, _measurement({"loss": float("inf")}))
+    assert canary.compare(recorded, _measurement({"loss": float("nan")}))
+    zero_in_fp32 = _measurement({"loss": float("inf")})  # recorded infinite: not a growth
+    assert canary.compare(zero_in_fp32, zero_in_fp32) == []
     assert canary.compare(None, recorded)[0].startswith("no record")
     assert canary.compare(recorded, _measurement({"loss": 1e-3, "extra.bias": 0.1}))
 
@@ -121,3 +124,23 @@ def test_the_canaries_are_distinct():
     assert {c.mode for c in canary.CANARIES} == {"eval", "train"}
     assert any(c.quick for c in canary.CANARIES)
     assert all(dataclasses.asdict(c) == c.about() for c in canary.CANARIES)
+
+
+def test_judged_outputs_of_a_train_mode_graph():
+    """A train() graph's joint program lists its running-statistic updates first; the
+    emitted program writes those back in place and appends the trained parameters:
+    ``judged`` takes the loss and the gradients in either form."""
+    from qnn_convbwd import training
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4)).train()
+    model = training.WithLoss(net, lambda y, t: torch.nn.functional.mse_loss(y.mean((2, 3)), t))
+    joint = training.export_joint(model, (torch.randn(2, 3, 6, 6), torch.randn(2, 4)))
+    kinds = [s.kind.name for s in joint.graph_signature.output_specs]
+    assert kinds.count("BUFFER_MUTATION") == 3 and kinds.count("GRADIENT_TO_PARAMETER") == 4
+    judged = [i for i, k in enumerate(kinds) if k in canary.JUDGED]
+    every = [torch.tensor(float(i)) for i in range(len(kinds) + 4)]
+    assert [int(t) for t in canary.judged(joint, every)] == judged
+    returned = [torch.tensor(float(i)) for i in range(len(judged) + 4)]
+    assert [int(t) for t in canary.judged(joint, returned)] == list(range(len(judged)))
+    with pytest.raises(ValueError, match="program outputs"):
+        canary.judged(joint, returned[:-1])

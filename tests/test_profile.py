@@ -177,8 +177,8 @@ def test_json_round_trips(on_cpu, tmp_path):
     assert "| convolution_backward |" in table and f"**{share:.3f}**" in table
 
 
-def test_read_etdump_refuses_a_wrong_run_count(tmp_path):
-    program, inputs = lowered(profile.CPU_SOC)
+def test_read_etdump_refuses_a_wrong_run_count(on_cpu, tmp_path):
+    program, inputs, _ = on_cpu
     session = program.session(0.01, etdump=True)
     session.forward_backward(list(inputs))
     session.forward_backward(list(inputs))
@@ -192,19 +192,20 @@ def test_read_etdump_refuses_a_wrong_run_count(tmp_path):
         profile.read_etdump(etdump, runs=2, skip=2)
 
 
-def test_cli_prints_both_programs_and_writes_json(tmp_path, monkeypatch, capsys):
-    """``qnn-convbwd profile`` on the small net standing in for ``--model``'s (the NPU
-    side lowered for SM8350 too, so no simulator runs)."""
+def test_cli_prints_the_profile_and_writes_json(on_cpu, tmp_path, monkeypatch, capsys):
+    """``qnn-convbwd profile`` on the small net standing in for ``--model``'s, lowered for
+    SM8350 (no simulator) and without the baseline (one lowering)."""
     monkeypatch.setattr(finetune, "architecture", lambda arch, classes=10, seed=0: small_net())
     path = tmp_path / "p.json"
-    argv = ["profile", "--model", "small", "--soc", profile.CPU_SOC, "--batch", "4"]
-    argv += ["--size", "8", "--steps", "1", "--json", str(path)]
+    argv = ["profile", "--model", "small", "--soc", profile.CPU_SOC, "--batch", str(BATCH)]
+    argv += ["--size", str(SIZE), "--steps", "1", "--no-cpu-baseline", "--json", str(path)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| | NPU (SM8350) calls | ms | CPU only (SM8350) calls | ms |" in out
+    assert "| | NPU (SM8350) calls | ms |\n" in out and "Host share" not in out
     stored = profile.Profile.from_json(json.loads(path.read_text()))
-    assert stored.model == "small" and stored.steps == 1 and stored.cpu is not None
-    assert by_operator(stored.npu) == by_operator(stored.cpu)  # the same program twice
+    assert stored.model == "small" and stored.steps == 1 and stored.cpu is None
+    # The command lowered the program the fixture lowered (same net, batch and seed).
+    assert by_operator(stored.npu) == kernel_calls(on_cpu[0].pte)
     assert cli.main(["profile", "--from-json", str(path)]) == 0
     assert profile.to_markdown(stored) in capsys.readouterr().out
 

@@ -201,7 +201,7 @@ def test_cli_prints_the_profile_and_writes_json(on_cpu, tmp_path, monkeypatch, c
     argv += ["--size", str(SIZE), "--steps", "1", "--no-cpu-baseline", "--json", str(path)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| | NPU (SM8350) calls | ms |\n" in out and "Host share" not in out
+    assert "| | CPU only (SM8350) calls | ms |\n" in out and "Host share" not in out
     stored = profile.Profile.from_json(json.loads(path.read_text()))
     assert stored.model == "small" and stored.steps == 1 and stored.cpu is None
     # The command lowered the program the fixture lowered (same net, batch and seed).

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import tempfile
 import time
@@ -41,6 +42,8 @@ from .passes.optimizer import Adam as Adam
 from .passes.optimizer import AdamW as AdamW
 from .passes.optimizer import DynamicLossScale as DynamicLossScale
 from .passes.optimizer import OptimizerError as OptimizerError
+
+logger = logging.getLogger(__name__)
 
 
 class WithLoss(torch.nn.Module):
@@ -840,7 +843,7 @@ def lower_for_training(
     (``passes.optimizer``); ``loss_scale`` (``DynamicLossScale``, with an optimizer
     only): the program keeps a dynamic loss scale as ``torch.amp.GradScaler`` does.
     """
-    from .api import lower
+    from .api import enabled, lower
 
     if loss_scale is not None and optimizer is None:
         raise TypeError("loss_scale=DynamicLossScale(...) needs an in-program optimizer=")
@@ -857,7 +860,16 @@ def lower_for_training(
     if optimizer is not None:
         joint, attached = optimizer_pass.attach(joint, optimizer, loss_scale)
     result = lower(joint, specs, **lower_options)
-    unemitted = copy.deepcopy(result.edge)
+    try:
+        unemitted = copy.deepcopy(result.edge)
+    except Exception as err:  # executorch's verifier on the copy of a read-back program
+        # An edge program read back from the lowering cache holds edge ops (a dim-order
+        # cast) that executorch's verifier refuses when its delegates are deep-copied:
+        # lower once more without that cache (the context binaries are still reused).
+        logger.info("lowering again without the lowering cache: %s", type(err).__name__)
+        with enabled(lowering_cache=False):
+            result = lower(joint, specs, **lower_options)
+        unemitted = copy.deepcopy(result.edge)
     pte, ptd = _emit(result.edge, external_weights)
     seconds = time.perf_counter() - start
     return TrainingProgram(

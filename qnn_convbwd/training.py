@@ -191,6 +191,21 @@ class _State:
 
     layout: StateLayout
 
+    def _load(self, pte: bytes, ptd: bytes | None, etdump: bool = False) -> bytes:
+        """Load the program from ``pte`` (and its tensor data file ``ptd``) into
+        ``self._loaded``; returns the bytes kept.
+
+        The runtime reads these buffers while the program runs: they are kept alive
+        (``ptd`` in a file), and ``close`` lets the program go first."""
+        self.pte, self.ptd = bytes(pte), None if ptd is None else bytes(ptd)
+        self._data_file = None
+        if self.ptd is not None:
+            self._data_file = tempfile.NamedTemporaryFile(suffix=".ptd")
+            self._data_file.write(self.ptd)
+            self._data_file.flush()
+        self._loaded = _LoadedProgram(self.pte, self._data_file and self._data_file.name, etdump)
+        return self.pte
+
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         raise NotImplementedError
 
@@ -273,16 +288,7 @@ class TrainingSession(_State):
 
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError("nesterov momentum requires a momentum and zero dampening")
-        # The runtime reads these buffers while the program runs: keep them alive, and
-        # let the program go first (``close``).
-        pte = bytes(pte)
-        self.pte, self.ptd = pte, None if ptd is None else bytes(ptd)
-        self._data_file = None
-        if self.ptd is not None:
-            self._data_file = tempfile.NamedTemporaryFile(suffix=".ptd")
-            self._data_file.write(self.ptd)
-            self._data_file.flush()
-        self._loaded = _LoadedProgram(pte, self._data_file and self._data_file.name, etdump)
+        pte = self._load(pte, ptd, etdump)
         self.etdump = etdump
         # executorch's TrainingModule over the same loaded methods.
         self.module = TrainingModule(self._loaded)
@@ -432,14 +438,7 @@ class ProgramOptimizerSession(_State):
         *,
         layout: StateLayout | None = None,
     ) -> None:
-        pte = bytes(pte)
-        self.pte, self.ptd = pte, None if ptd is None else bytes(ptd)
-        self._data_file = None
-        if self.ptd is not None:
-            self._data_file = tempfile.NamedTemporaryFile(suffix=".ptd")
-            self._data_file.write(self.ptd)
-            self._data_file.flush()
-        self._loaded = _LoadedProgram(pte, self._data_file and self._data_file.name)
+        pte = self._load(pte, ptd)
         self._forward = self._loaded.method("forward")
         self.optimizer = optimizer
         names = _mutable_buffer_names(pte)

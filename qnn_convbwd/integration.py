@@ -186,6 +186,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ),
     ("executorch.exir", "to_edge_transform_and_lower", "lower()"),
     ("executorch.exir", "EdgeProgramManager", "the lowering cache: a stored lowering read back"),
+    (
+        "executorch.exir",
+        "EdgeProgramManager._config_methods",
+        "training programs: a constant method added after lowering (stored weight layouts)",
+    ),
     ("executorch.exir.serde.serialize", "save", "the lowering cache: an edge program stored"),
     ("executorch.exir.serde.serialize", "load", "the lowering cache: an edge program read back"),
     (f"{_QC}.partition.qnn_partitioner", "QnnPartitioner", "lower()"),
@@ -260,6 +265,19 @@ def _listed(path: str, parent: bool = False) -> Any:
 def get(path: str) -> Any:
     """Resolve one listed internal by its attribute path (e.g. ``"OpTransposeConv2d"``)."""
     return _listed(path)
+
+
+def add_constant_methods(edge: Any, methods: dict[str, Any]) -> None:
+    """Add constant methods to a lowered EdgeProgramManager (``to_edge``'s
+    ``constant_methods``, after the fact): executorch keeps them in an attribute its
+    ``to_executorch`` emits."""
+    _listed("EdgeProgramManager._config_methods", parent=True)
+    if not hasattr(edge, "_config_methods"):
+        raise ExecutorchIntegrationError(
+            f"executorch {executorch_version()}: EdgeProgramManager has no _config_methods; "
+            f"qnn_convbwd needs executorch {SUPPORTED_EXECUTORCH}"
+        )
+    edge._config_methods = {**(edge._config_methods or {}), **methods}
 
 
 # ---------------------------------------------------------------------------

@@ -43,7 +43,13 @@ from . import after_partition as after
 from . import context_cache, delegate_io, integration, parallel_finalize, progress, signature
 from .partition import judge
 from .partition.target import Target
-from .passes import canonicalize, layout, preserve_output_dtypes, record_output_dtypes
+from .passes import (
+    canonicalize,
+    filter_storage,
+    layout,
+    preserve_output_dtypes,
+    record_output_dtypes,
+)
 from .passes import optimizer as optimizer_pass
 from .passes import train_mode as train_mode_pass
 from .passes.batch_norm import StableBatchNorm
@@ -226,6 +232,15 @@ def stages() -> tuple[Stage, ...]:
         ),
     )
     return (
+        Stage(
+            "aten",
+            "store_filter_layouts",
+            filter_storage.store,
+            "run by training.lower_for_training on the joint program before the optimizer: "
+            "trainable convolution weights are stored in the filter layout the delegate "
+            "reads, with permutes the visitors fold, so no permute runs on CPU in a step",
+            gate="weight_storage",
+        ),
         Stage(
             "aten",
             "in_program_optimizer",

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import integration, options, progress
+from .passes import filter_storage
 from .passes import optimizer as optimizer_pass
 
 # The in-program optimizer's settings (``lower_for_training(optimizer=..., loss_scale=...)``).
@@ -162,6 +163,9 @@ class _LoadedProgram:
         self.program = load(pte, **options)
         self._methods: dict = {}
 
+    def method_names(self) -> list[str]:
+        return [self.program.get_method_name(i) for i in range(self.program.num_methods())]
+
     def method(self, name: str):
         if name not in self._methods:
             self._methods[name] = self.program.load_method(name)
@@ -204,7 +208,16 @@ class _State:
             self._data_file.write(self.ptd)
             self._data_file.flush()
         self._loaded = _LoadedProgram(self.pte, self._data_file and self._data_file.name, etdump)
+        self._stored: dict[str, tuple[int, ...]] = {}
+        if filter_storage.METHOD in self._loaded.method_names():
+            (text,) = self._loaded.run_method(filter_storage.METHOD)
+            self._stored = filter_storage.decode(text)
         return self.pte
+
+    def _torch_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The program's tensor of parameter ``name`` (or of its optimizer state) seen in
+        torch's layout: a view of what the program stores (``passes.filter_storage``)."""
+        return filter_storage.torch_view(tensor, self._stored.get(name))
 
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         raise NotImplementedError
@@ -213,7 +226,10 @@ class _State:
         """Every parameter and persistent buffer under the eager module's names (copies):
         trainable parameters and updated buffers from the runtime, the rest as baked
         into the program (``layout.constants``)."""
-        return {name: t.detach().clone() for name, (_, t) in self._targets().items()}
+        return {
+            name: t.detach().clone(memory_format=torch.contiguous_format)
+            for name, (_, t) in self._targets().items()
+        }
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Set the trainable parameters and updated buffers in the runtime (training goes
@@ -336,12 +352,16 @@ class TrainingSession(_State):
         """The last ``forward_backward``'s gradients (copies)."""
         if self._gradients is None:
             raise RuntimeError("no gradients before the first forward_backward")
-        return {name: g.clone() for name, g in self._gradients.items()}
+        return {
+            name: self._torch_layout(name, g).clone(memory_format=torch.contiguous_format)
+            for name, g in self._gradients.items()
+        }
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The runtime's own trainable parameter tensors, by program name (the optimizer
-        updates these in place; writing into them changes the next step's)."""
-        return dict(self._parameters)
+        """The runtime's own trainable parameter tensors, by program name, in torch's
+        layout (views of what the program stores; the optimizer updates these in place,
+        and writing into them changes the next step's)."""
+        return {name: self._torch_layout(name, t) for name, t in self._parameters.items()}
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Current values (copies) of the buffers the program updates, by program name."""
@@ -413,7 +433,7 @@ class TrainingSession(_State):
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         """Eager name -> (kind, the tensor the state lives in)."""
         eager = self.layout.eager_name
-        targets = {eager(n): ("parameter", t) for n, t in self._parameters.items()}
+        targets = {eager(n): ("parameter", t) for n, t in self.parameters().items()}
         for name in self._buffer_names:
             # The plugin's own buffers (the dropout step counter) are not the module's.
             if name not in self.layout.transient and not name.startswith(PLUGIN_BUFFER_PREFIX):
@@ -536,8 +556,17 @@ class ProgramOptimizerSession(_State):
         self._buffer(optimizer_pass.GROWTH_BUFFER).fill_(tracker)
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The runtime's own trainable parameter tensors, by program name."""
-        return {name: self._buffer(name) for name in self.optimizer.parameters}
+        """The runtime's own trainable parameter tensors, by program name, in torch's
+        layout (views of what the program stores)."""
+        return {
+            name: self._torch_layout(name, self._buffer(name)) for name in self.optimizer.parameters
+        }
+
+    def _state_buffer(self, index: int, key: str) -> torch.Tensor:
+        """Optimizer state ``key`` of the ``index``-th trained parameter, in torch's layout
+        (a view of the program's buffer)."""
+        name = self.optimizer.parameters[index]
+        return self._torch_layout(name, self._buffer(self.optimizer.state[index][key]))
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Current values (copies) of the module's buffers the program updates (batch
@@ -581,7 +610,14 @@ class ProgramOptimizerSession(_State):
                 entry = {}
                 if isinstance(self.optimizer.optimizer, optimizer_pass.Adam):
                     entry["step"] = torch.tensor(steps, dtype=torch.float32)
-                entry.update({key: self._buffer(name).clone() for key, name in names.items()})
+                entry.update(
+                    {
+                        key: self._state_buffer(index, key).clone(
+                            memory_format=torch.contiguous_format
+                        )
+                        for key in names
+                    }
+                )
                 state[index] = entry
         return {"state": state, "param_groups": groups}
 
@@ -614,7 +650,7 @@ class ProgramOptimizerSession(_State):
             problems.append(f"state for parameters {sorted(entries)}, expected 0..{count - 1}")
         steps = set()
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for index, names in enumerate(self.optimizer.state):
+        for index in range(len(self.optimizer.state)):
             entry = entries.get(index)
             if entry is None:
                 continue
@@ -622,7 +658,7 @@ class ProgramOptimizerSession(_State):
                 steps.add(float(entry["step"]))
             for key in keys:
                 value = entry.get(key)
-                target = self._buffer(names[key])
+                target = self._state_buffer(index, key)
                 if not isinstance(value, torch.Tensor) or value.shape != target.shape:
                     shape = None if not isinstance(value, torch.Tensor) else tuple(value.shape)
                     problems.append(
@@ -855,6 +891,9 @@ def lower_for_training(
     joint = export_joint(module, inputs)
     names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
     layout = StateLayout.from_program(joint, shared_prefix(names))
+    stored: dict[str, tuple[int, ...]] = {}
+    if options.current.weight_layout == "hwio" and options.current.weight_storage == "filter":
+        joint, stored = filter_storage.store(joint)
     attached = None
     if optimizer is not None:
         joint, attached = optimizer_pass.attach(joint, optimizer, loss_scale)
@@ -869,6 +908,11 @@ def lower_for_training(
         with enabled(lowering_cache=False):
             result = lower(joint, specs, **lower_options)
         unemitted = copy.deepcopy(result.edge)
+    if stored:
+        for edge in (result.edge, unemitted):
+            integration.add_constant_methods(
+                edge, {filter_storage.METHOD: filter_storage.encode(stored)}
+            )
     pte, ptd = _emit(result.edge, external_weights)
     seconds = time.perf_counter() - start
     return TrainingProgram(

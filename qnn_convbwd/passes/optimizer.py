@@ -553,10 +553,17 @@ def _scale_loss(
         min(users, key=order.__getitem__) if users else rewrite.output,
     )
     seeded.role = b.role = SCALE_BUFFER
-    # The seed times the scale, on CPU: the scale reaches the delegate as an input.
-    scaled_seed = seeded(aten.mul.Tensor, seed, seeded(aten.sum.default, scale))
+    # The seed times the scale, on CPU: the scale reaches the delegate as an input. A
+    # 0-d seed (a reduced loss) is the scale itself, read from the buffer alone: not
+    # from the loss, so the CPU ops on the seed need nothing from the forward, and the
+    # forward and the backward stay one delegate.
+    scaled_seed = seeded(aten.sum.default, scale)
+    if tuple(seed.meta["val"].shape) != ():
+        scaled_seed = seeded(aten.mul.Tensor, seed, scaled_seed)
     for user in users:
         user.replace_input_with(seed, scaled_seed)
+    if not seed.users:
+        rewrite.graph.erase_node(seed)
 
     # GradScaler.unscale_: inv = 1 / scale in float64, cast to float32; a gradient is
     # non-finite before it is unscaled.

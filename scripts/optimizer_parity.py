@@ -35,14 +35,20 @@ import torch
 from torch import nn
 
 
-def _lower(net: nn.Module, example: tuple, optimizer, soc: str):
+def _lower(net: nn.Module, example: tuple, optimizer, args: argparse.Namespace, scale=None):
+    import qnn_convbwd
     from qnn_convbwd import training
     from qnn_convbwd.toolchain import harness
 
     module = training.WithLoss(copy.deepcopy(net), nn.functional.cross_entropy)
-    program = training.lower_for_training(
-        module, example, harness.compile_specs(soc), optimizer=optimizer
-    )
+    with qnn_convbwd.enabled(dropout_seed=args.dropout_seed):
+        program = training.lower_for_training(
+            module,
+            example,
+            harness.compile_specs(args.soc),
+            optimizer=optimizer,
+            loss_scale=scale,
+        )
     rules = collections.Counter(op.rule for op in program.report.on_cpu)
     print(
         f"lowered in {program.lowering_seconds:.0f} s: "
@@ -52,12 +58,17 @@ def _lower(net: nn.Module, example: tuple, optimizer, soc: str):
     return program
 
 
-def _torch_step(net: nn.Module, optimizer, x, y, autocast: bool = False) -> float:
+def _torch_step(net: nn.Module, optimizer, x, y, autocast: bool = False, scaler=None) -> float:
     optimizer.zero_grad()
     with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
         loss = nn.functional.cross_entropy(net(x), y)
-    loss.backward()
-    optimizer.step()
+    if scaler is None:
+        loss.backward()
+        optimizer.step()
+    else:
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
     return float(loss)
 
 
@@ -72,7 +83,7 @@ def digits(args: argparse.Namespace) -> dict:
         batches.extend(finetune._epoch_batches(split.train, args.batch, generator))
     batches = batches[: args.steps]
     opt = training.AdamW(args.lr, weight_decay=args.weight_decay)
-    program = _lower(net, batches[0], opt, args.soc)
+    program = _lower(net, batches[0], opt, args)
     session = program.session()
     reference = copy.deepcopy(net)
     torch_opt = opt.torch_optimizer([p for p in reference.parameters() if p.requires_grad])
@@ -110,8 +121,8 @@ def digits(args: argparse.Namespace) -> dict:
 def stepwise(args: argparse.Namespace, opt) -> dict:
     from qnn_convbwd import finetune, training
 
-    net = finetune.architecture(args.model, 10, seed=0).train()
-    generator = torch.Generator().manual_seed(1)
+    net = finetune.architecture(args.model, 10, seed=args.seed).train()
+    generator = torch.Generator().manual_seed(args.seed + 1)
     batches = [
         (
             torch.randn(args.batch, 3, 32, 32, generator=generator),
@@ -119,7 +130,12 @@ def stepwise(args: argparse.Namespace, opt) -> dict:
         )
         for _ in range(args.steps)
     ]
-    program = _lower(net, batches[0], opt, args.soc)
+    scale = None
+    scaler = None
+    if args.loss_scale:
+        scale = training.DynamicLossScale(init_scale=args.loss_scale)
+        scaler = torch.amp.GradScaler("cpu", init_scale=args.loss_scale)
+    program = _lower(net, batches[0], opt, args, scale)
     session = program.session()
     fp32, fp16 = copy.deepcopy(net), copy.deepcopy(net)
     opt32 = opt.torch_optimizer(list(fp32.parameters()))
@@ -130,12 +146,14 @@ def stepwise(args: argparse.Namespace, opt) -> dict:
     for index, (x, y) in enumerate(batches):
         ours = session.step([x, y])
         ref = _torch_step(fp32, opt32, x, y)
-        half = _torch_step(fp16, opt16, x, y, autocast=True)
+        half = _torch_step(fp16, opt16, x, y, autocast=True, scaler=scaler)
         gap, floor = abs(ours - ref), abs(half - ref)
         bound = max(3e-2 * max(1.0, abs(ref)), 2 * floor)
         rows.append(
             {"step": index + 1, "program": ours, "torch": ref, "fp16": half, "bound": bound}
         )
+        if scale is not None:
+            rows[-1]["scale"] = session.loss_scale
         print(
             f"| {index + 1} | {ours:.5f} | {ref:.5f} | {gap:.2e} | {floor:.2e} | {bound:.2e} | "
             f"{'yes' if gap <= bound else 'NO'} |",
@@ -145,7 +163,7 @@ def stepwise(args: argparse.Namespace, opt) -> dict:
     result = {"rows": rows, "lowering_seconds": program.lowering_seconds}
     if isinstance(opt, training.SGD):
         # The same joint program without the optimizer, stepped by executorch's SGD.
-        plain = _lower(net, batches[0], None, args.soc)
+        plain = _lower(net, batches[0], None, args)
         session = plain.session(opt.lr, momentum=opt.momentum)
         theirs = [session.step(list(batch)) for batch in batches]
         session.close()
@@ -169,6 +187,14 @@ def main() -> None:
     parser.add_argument("--model", default="resnet18", help="sgd: resnet18 or cifar")
     parser.add_argument("--soc", default="SM8650")
     parser.add_argument("--json", default=None)
+    parser.add_argument(
+        "--loss-scale",
+        type=float,
+        default=None,
+        help="a dynamic loss scale in the program starting here (GradScaler for torch fp16)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="stepwise: weights and batches")
+    parser.add_argument("--dropout-seed", type=int, default=0, help="the program's dropout keys")
     args = parser.parse_args()
     from qnn_convbwd import training
 

@@ -10,7 +10,9 @@ curves' last values.
 ``resnet18``: torchvision's resnet18 in ``train()``, every parameter trained, batch
 ``--batch``, 32x32, cross-entropy, ``--steps`` steps of the program's AdamW against
 torch fp32 + AdamW and torch fp16 autocast + AdamW (the fp16 floor), step by step:
-each loss, its gap to fp32, and the bound ``max(3e-2 * max(1, |loss|), 2 * fp16's gap)``.
+each loss, its gap to fp32, and the bound ``max(3e-2 * max(1, |loss|), 2 * fp16's gap)``;
+and each step's parameter update against fp32's: cosine and the fraction of elements
+moved in the same direction, for the program and for fp16 autocast.
 
 ``sgd``: the same for SGD with momentum (``--model resnet18`` or ``cifar``): the
 program's own SGD on the HTP against torch fp32 + torch.optim.SGD, and against the
@@ -118,6 +120,11 @@ def digits(args: argparse.Namespace) -> dict:
     return result
 
 
+def _flat(state: dict, net: nn.Module) -> torch.Tensor:
+    """The trainable parameters of ``state`` (a state_dict) as one vector."""
+    return torch.cat([state[name].detach().flatten().float() for name, _ in net.named_parameters()])
+
+
 def stepwise(args: argparse.Namespace, opt) -> dict:
     from qnn_convbwd import finetune, training
 
@@ -141,22 +148,53 @@ def stepwise(args: argparse.Namespace, opt) -> dict:
     opt32 = opt.torch_optimizer(list(fp32.parameters()))
     opt16 = opt.torch_optimizer(list(fp16.parameters()))
     rows = []
-    print("| step | program | torch fp32 | gap | fp16 autocast gap | bound | within |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| step | program | torch fp32 | gap | fp16 autocast gap | bound | within "
+        "| update cosine to fp32: program, autocast | sign agreement: program, autocast |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for index, (x, y) in enumerate(batches):
+        before = {
+            "program": _flat(session.state_dict(), net),
+            "fp32": _flat(fp32.state_dict(), net),
+            "fp16": _flat(fp16.state_dict(), net),
+        }
         ours = session.step([x, y])
         ref = _torch_step(fp32, opt32, x, y)
         half = _torch_step(fp16, opt16, x, y, autocast=True, scaler=scaler)
+        after = {
+            "program": _flat(session.state_dict(), net),
+            "fp32": _flat(fp32.state_dict(), net),
+            "fp16": _flat(fp16.state_dict(), net),
+        }
+        update = {k: after[k] - before[k] for k in after}
+        cosine = {
+            k: float(nn.functional.cosine_similarity(update[k], update["fp32"], dim=0))
+            for k in ("program", "fp16")
+        }
+        signs = {
+            k: float((update[k].sign() == update["fp32"].sign()).float().mean())
+            for k in ("program", "fp16")
+        }
         gap, floor = abs(ours - ref), abs(half - ref)
         bound = max(3e-2 * max(1.0, abs(ref)), 2 * floor)
         rows.append(
-            {"step": index + 1, "program": ours, "torch": ref, "fp16": half, "bound": bound}
+            {
+                "step": index + 1,
+                "program": ours,
+                "torch": ref,
+                "fp16": half,
+                "bound": bound,
+                "update_cosine": cosine,
+                "sign_agreement": signs,
+            }
         )
         if scale is not None:
             rows[-1]["scale"] = session.loss_scale
         print(
             f"| {index + 1} | {ours:.5f} | {ref:.5f} | {gap:.2e} | {floor:.2e} | {bound:.2e} | "
-            f"{'yes' if gap <= bound else 'NO'} |",
+            f"{'yes' if gap <= bound else 'NO'} | {cosine['program']:.3f}, {cosine['fp16']:.3f} "
+            f"| {signs['program']:.3f}, {signs['fp16']:.3f} |",
             flush=True,
         )
     session.close()

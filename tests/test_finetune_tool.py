@@ -475,9 +475,23 @@ def test_a_size_the_model_cannot_take(tmp_path, capsys):
     assert "--size 16: CIFAR10Model cannot take 16x16 images" in err
 
 
+def test_momentum_with_adamw_is_refused(tmp_path, capsys):
+    data = make_folder(tmp_path / "d", 4, classes=2)
+    argv = _args(data, tmp_path / "o", "--optimizer", "adamw", "--momentum", "0.9")
+    err = _refused(argv, capsys, tmp_path / "o")
+    assert "--momentum is SGD's: --optimizer adamw takes none" in err
+
+
 def test_resume_without_a_checkpoint(tmp_path, capsys):
     err = _refused(["finetune", "--resume", str(tmp_path)], capsys)
     assert f"--resume {tmp_path}: no {finetune.CHECKPOINT_FILE} there" in err
+
+
+def test_a_checkpoint_of_another_format_is_refused(tmp_path, capsys):
+    torch.save({"format": "qnn-convbwd finetune checkpoint 1"}, tmp_path / finetune.CHECKPOINT_FILE)
+    err = _refused(["finetune", "--resume", str(tmp_path)], capsys)
+    assert "a checkpoint of format 'qnn-convbwd finetune checkpoint 1'" in err
+    assert repr(finetune.CHECKPOINT_FORMAT) in err
 
 
 def test_prepare_reports_the_replaced_classifier(tmp_path):

@@ -260,6 +260,23 @@ class _State:
         carries from call to call."""
         raise NotImplementedError
 
+    def _checked_inputs(self, inputs: Sequence[torch.Tensor]) -> list:
+        """``inputs`` as a list, after checking their count and shapes against the
+        program's ``forward`` (executorch 1.5.1's runtime crashes the process on a tensor
+        of another shape than a static input's)."""
+        inputs = list(inputs)
+        meta = self._forward.method_meta()
+        if len(inputs) != meta.num_inputs():
+            raise ValueError(f"{len(inputs)} inputs given, the program takes {meta.num_inputs()}")
+        for index, value in enumerate(inputs):
+            expected = tuple(meta.input_tensor_meta(index).sizes())
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != expected:
+                raise ValueError(
+                    f"input {index}: shape {tuple(value.shape)}, the program takes {expected} "
+                    "(its shapes, the batch size included, are fixed when it is lowered)"
+                )
+        return inputs
+
     def program_state(self) -> dict[str, torch.Tensor]:
         """Copies of everything the program carries from step to step, by program name:
         the trainable parameters and every buffer it updates, the plugin's own ones (the
@@ -406,7 +423,7 @@ class TrainingSession(_State):
 
     def forward_backward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """User outputs (the loss first); gradients in ``gradients()``."""
-        outputs = self._forward.call(list(inputs), clone_outputs=False)
+        outputs = self._forward.call(self._checked_inputs(inputs), clone_outputs=False)
         user = [
             o.clone() if isinstance(o, torch.Tensor) else o for o in outputs[: self._gradients_at]
         ]
@@ -529,7 +546,7 @@ class ProgramOptimizerSession(_State):
 
     def step(self, inputs: Sequence[torch.Tensor]) -> float:
         """One training step (one call of the program's ``forward``); returns the loss."""
-        outputs = self._forward.call(list(inputs), clone_outputs=False)
+        outputs = self._forward.call(self._checked_inputs(inputs), clone_outputs=False)
         return float(outputs[0])
 
     @property

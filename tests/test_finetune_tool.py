@@ -302,6 +302,13 @@ def test_train_pte_alone_trains_in_executorchs_runtime(finished, folders):
         session.close()
     assert losses == expected
     assert len(set(losses)) == len(losses)
+    # A batch of another size is refused before the runtime sees it.
+    session = _train_pte_session(out, report)
+    try:
+        with pytest.raises(ValueError, match=r"input 0: shape \(5, 3, 8, 8\), the program takes"):
+            session.step([x[: BATCH + 1], y[: BATCH + 1]])
+    finally:
+        session.close()
 
 
 def test_infer_pte_predicts_as_the_eager_model(finished, folders):

@@ -116,6 +116,11 @@ def test_fresh_state_is_the_eager_models_and_loads_strictly(cpu_program):
     }
     eager = FrozenStemConvBn()
     eager.load_state_dict(state, strict=True)
+    x, y = _batches(1)[0]
+    with pytest.raises(ValueError, match="1 inputs given, the program takes 2"):
+        session.step([x])
+    with pytest.raises(ValueError, match=r"input 1: shape \(3,\), the program takes \(4,\)"):
+        session.step([x, y[:3]])
     session.close()
 
 

@@ -4,9 +4,10 @@ through a lowered training program, next to torch.
 Reads the data (``finetune_data``: an ImageFolder or a tensor file, held-out data
 from ``--val`` or ``--val-split``), builds the model (``--arch``, or ``--model
 module:function``; ``--weights`` loaded strictly), checks all of it before writing
-anything, lowers the joint training graph for the SoC and trains it in ``train()``
-through ExecuTorch's runtime, with torch eager on the same batches unless
-``--no-torch`` (``finetune.fit``). With ``--out`` it saves a checkpoint every
+anything, lowers the joint training graph for the SoC with the optimizer (``--optimizer
+sgd|adamw``) inside it and trains it in ``train()`` through ExecuTorch's runtime, one
+program call per step, with torch eager and the same ``torch.optim`` optimizer on the
+same batches unless ``--no-torch`` (``finetune.fit``). With ``--out`` it saves a checkpoint every
 ``--checkpoint-every`` steps, and after the last step the trained ``state_dict``,
 the training program starting from the trained weights, an inference program,
 ``report.json`` and the curves; ``--resume`` continues a killed run.

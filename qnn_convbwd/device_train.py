@@ -6,8 +6,9 @@ update) that returns the loss and keeps the parameters, running statistics and
 optimizer state in the program's own buffers. So the device needs a runner that
 calls ``forward`` once per batch on one loaded method and, at the end, writes the
 buffers out. executorch 1.5.1 ships no such runner for Android:
-``qnn_executor_runner`` runs one execution per input line on one method but writes
-only the outputs (the losses), and the training examples' C++ runners
+``qnn_executor_runner`` loads the method once and executes it ``--iteration`` times
+per input line (a training step each) but writes only the outputs (the losses), so
+the trained weights end with its process; the training examples' C++ runners
 (``extension/training/examples``) apply executorch's SGD from a program's gradient
 outputs, which this program has none of, to their own data formats. The script
 therefore takes ``--runner``, a binary with this command-line contract (``RUNNER``):

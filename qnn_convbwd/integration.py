@@ -182,7 +182,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (
         "executorch.exir._serialize._program",
         "deserialize_pte_binary",
-        "training sessions: names of the buffers a program updates",
+        "training sessions, device training: the buffers a program updates (names, dtypes, shapes)",
     ),
     ("executorch.exir", "to_edge_transform_and_lower", "lower()"),
     ("executorch.exir", "EdgeProgramManager", "the lowering cache: a stored lowering read back"),

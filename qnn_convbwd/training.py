@@ -43,6 +43,7 @@ from .passes.optimizer import Adam as Adam
 from .passes.optimizer import AdamW as AdamW
 from .passes.optimizer import DynamicLossScale as DynamicLossScale
 from .passes.optimizer import OptimizerError as OptimizerError
+from .passes.optimizer import ProgramOptimizer as ProgramOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -177,16 +178,61 @@ class _LoadedProgram:
 
 def _mutable_buffer_names(pte: bytes) -> list[str]:
     """Names of the tensors of ``forward`` stored in the program's mutable data segment
-    (emitted with ``emit_mutable_buffer_names=True``): the buffers the program updates."""
+    (emitted with ``emit_mutable_buffer_names=True``): the buffers the program updates,
+    each once, in the order the program lists them."""
+    return list(program_buffers(pte))
+
+
+# executorch's serialized scalar types (``exir.schema.ScalarType``) of the tensors a
+# training program keeps, by name.
+_SCALAR_TYPES = {
+    "BYTE": torch.uint8,
+    "CHAR": torch.int8,
+    "SHORT": torch.int16,
+    "INT": torch.int32,
+    "LONG": torch.int64,
+    "HALF": torch.float16,
+    "FLOAT": torch.float32,
+    "DOUBLE": torch.float64,
+    "BOOL": torch.bool,
+    "BFLOAT16": torch.bfloat16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    """A tensor a program keeps from call to call: its dtype and shape."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def program_buffers(pte: bytes) -> dict[str, BufferSpec]:
+    """Every tensor of ``forward`` in the program's mutable data segment (the buffers it
+    updates: trainable parameters of a program with an in-program optimizer, running
+    statistics, optimizer state, the plugin's counters), by name, read from the ``.pte``
+    bytes alone (nothing is loaded)."""
     result = integration.get("deserialize_pte_binary")(pte)
     program = getattr(result, "program", result)
     (plan,) = [p for p in program.execution_plan if p.name == "forward"]
-    names = []
+    found: dict[str, BufferSpec] = {}
     for value in plan.values:
         info = getattr(value.val, "extra_tensor_info", None)
-        if info is not None and info.fully_qualified_name and info.location.name == "SEGMENT":
-            names.append(info.fully_qualified_name)
-    return names
+        if info is None or not info.fully_qualified_name or info.location.name != "SEGMENT":
+            continue
+        if info.fully_qualified_name in found:
+            continue
+        kind = getattr(value.val.scalar_type, "name", str(value.val.scalar_type))
+        if kind not in _SCALAR_TYPES:
+            raise ValueError(f"{info.fully_qualified_name}: unsupported scalar type {kind}")
+        found[info.fully_qualified_name] = BufferSpec(
+            _SCALAR_TYPES[kind], tuple(int(d) for d in value.val.sizes)
+        )
+    return found
 
 
 class _State:
@@ -221,6 +267,58 @@ class _State:
 
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def _program_targets(self) -> dict[str, torch.Tensor]:
+        """Program name -> the loaded method's own tensor, for everything the program
+        carries from call to call."""
+        raise NotImplementedError
+
+    def _checked_inputs(self, inputs: Sequence[torch.Tensor]) -> list:
+        """``inputs`` as a list, after checking their count and shapes against the
+        program's ``forward`` (executorch 1.5.1's runtime crashes the process on a tensor
+        of another shape than a static input's)."""
+        inputs = list(inputs)
+        meta = self._forward.method_meta()
+        if len(inputs) != meta.num_inputs():
+            raise ValueError(f"{len(inputs)} inputs given, the program takes {meta.num_inputs()}")
+        for index, value in enumerate(inputs):
+            expected = tuple(meta.input_tensor_meta(index).sizes())
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != expected:
+                raise ValueError(
+                    f"input {index}: shape {tuple(value.shape)}, the program takes {expected} "
+                    "(its shapes, the batch size included, are fixed when it is lowered)"
+                )
+        return inputs
+
+    def program_state(self) -> dict[str, torch.Tensor]:
+        """Copies of everything the program carries from step to step, by program name:
+        the trainable parameters and every buffer it updates, the plugin's own ones (the
+        dropout step counter; an in-program optimizer's state, step count and learning
+        rate) included. ``load_program_state`` puts it back; a program emitted from it
+        (``TrainingProgram.emit``) starts where this session is."""
+        return {name: t.detach().clone() for name, t in self._program_targets().items()}
+
+    def load_program_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Set the parameters and updated buffers from ``program_state()``'s names; every
+        name of this program must be there with its shape and dtype, and nothing is
+        written otherwise."""
+        targets = self._program_targets()
+        missing = sorted(set(targets) - set(state))
+        unexpected = sorted(set(state) - set(targets))
+        shapes = sorted(
+            n
+            for n in set(targets) & set(state)
+            if tuple(state[n].shape) != tuple(targets[n].shape)
+            or state[n].dtype != targets[n].dtype
+        )
+        if missing or unexpected or shapes:
+            raise StateDictError(
+                f"program state does not fit the program: missing {missing}, unexpected "
+                f"{unexpected}, another shape or dtype {shapes}"
+            )
+        with torch.no_grad():
+            for name, tensor in targets.items():
+                tensor.copy_(state[name])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer under the eager module's names (copies):
@@ -341,7 +439,7 @@ class TrainingSession(_State):
 
     def forward_backward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """User outputs (the loss first); gradients in ``gradients()``."""
-        outputs = self._forward.call(list(inputs), clone_outputs=False)
+        outputs = self._forward.call(self._checked_inputs(inputs), clone_outputs=False)
         user = [
             o.clone() if isinstance(o, torch.Tensor) else o for o in outputs[: self._gradients_at]
         ]
@@ -398,37 +496,10 @@ class TrainingSession(_State):
             raise RuntimeError("this session records no ETDump: make it with etdump=True")
         self._loaded.program.write_etdump_result_to_file(str(etdump_path), str(debug_path))
 
-    def program_state(self) -> dict[str, torch.Tensor]:
-        """Copies of everything the program carries from step to step, by program name:
-        the trainable parameters and every buffer it updates, the plugin's own ones (the
-        dropout step counter) included. ``load_program_state`` puts it back; a program
-        emitted from it (``TrainingProgram.emit``) starts where this session is."""
-        state = {name: t.detach().clone() for name, t in self._parameters.items()}
-        state.update(self.buffers())
-        return state
-
-    def load_program_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Set the parameters and updated buffers from ``program_state()``'s names; every
-        name of this program must be there with its shape, and nothing is written
-        otherwise."""
+    def _program_targets(self) -> dict[str, torch.Tensor]:
         targets = dict(self._parameters)
         targets.update({n: self._forward.get_attribute(n) for n in self._buffer_names})
-        missing = sorted(set(targets) - set(state))
-        unexpected = sorted(set(state) - set(targets))
-        shapes = sorted(
-            n
-            for n in set(targets) & set(state)
-            if tuple(state[n].shape) != tuple(targets[n].shape)
-            or state[n].dtype != targets[n].dtype
-        )
-        if missing or unexpected or shapes:
-            raise StateDictError(
-                f"program state does not fit the program: missing {missing}, unexpected "
-                f"{unexpected}, another shape or dtype {shapes}"
-            )
-        with torch.no_grad():
-            for name, tensor in targets.items():
-                tensor.copy_(state[name])
+        return targets
 
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         """Eager name -> (kind, the tensor the state lives in)."""
@@ -472,7 +543,9 @@ class ProgramOptimizerSession(_State):
         trained = set(optimizer.parameters)
         self._buffer_names = [n for n in names if n not in trained]
         if layout is None:
-            layout = StateLayout(shared_prefix(names))
+            # The plugin's own buffers (optimizer state, counters) carry no module prefix.
+            own = [n for n in names if not n.startswith(PLUGIN_BUFFER_PREFIX)]
+            layout = StateLayout(shared_prefix(own))
         self.layout = layout
 
     def close(self) -> None:
@@ -493,7 +566,7 @@ class ProgramOptimizerSession(_State):
 
     def step(self, inputs: Sequence[torch.Tensor]) -> float:
         """One training step (one call of the program's ``forward``); returns the loss."""
-        outputs = self._forward.call(list(inputs), clone_outputs=False)
+        outputs = self._forward.call(self._checked_inputs(inputs), clone_outputs=False)
         return float(outputs[0])
 
     @property
@@ -576,6 +649,12 @@ class ProgramOptimizerSession(_State):
             for name in self._buffer_names
             if not name.startswith(PLUGIN_BUFFER_PREFIX)
         }
+
+    def _program_targets(self) -> dict[str, torch.Tensor]:
+        # As the program stores them (a trained convolution weight as HWIO).
+        targets = {name: self._buffer(name) for name in self.optimizer.parameters}
+        targets.update({n: self._buffer(n) for n in self._buffer_names})
+        return targets
 
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         eager = self.layout.eager_name

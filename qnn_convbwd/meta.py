@@ -72,6 +72,12 @@ GRAD_TO_TORCH = "qnn_convbwd_grad_to_torch"
 TRAINED = "qnn_convbwd_trained"
 OPTIMIZER = "qnn_convbwd_optimizer"
 
+# passes/quant_boundary.py: a dequantize the plugin put between a quantized tensor and
+# an op that computes in float. executorch's FoldQDQ, which folds every other
+# activation dequantize into its producer's quantization metadata, leaves it, so the
+# delegate converts the tensor with QNN's Dequantize.
+KEPT_DEQUANTIZE = "qnn_convbwd_kept_dequantize"
+
 ALL = (
     NAME_SEEN,
     PINNED,
@@ -88,4 +94,5 @@ ALL = (
     GRAD_TO_TORCH,
     TRAINED,
     OPTIMIZER,
+    KEPT_DEQUANTIZE,
 )

@@ -51,6 +51,7 @@ from .passes.conv_batch_norm import FoldConvolutionBatchNorm
 from .passes.distribute_mul import DistributeMul
 from .passes.hardswish import CentredHardActivations
 from .passes.loss_scale import ScaleLoss
+from .passes.quant_boundary import DequantizeFloatReaders, is_kept_dequantize
 from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
@@ -244,6 +245,15 @@ def stages() -> tuple[Stage, ...]:
             "(passes.train_mode): executorch's decompositions and to_edge reject the "
             "train-mode ops, so they go first (option dropout_seed: the masks' keys)",
             hook="pre_decomposition",
+        ),
+        Stage(
+            "edge",
+            "dequantize_float_readers",
+            DequantizeFloatReaders,
+            "a dequantize between a quantized tensor and the ops that read it as float "
+            "(a float head on a quantized backbone), which executorch's FoldQDQ removed: "
+            "QNN converts the tensor in the delegate",
+            hook="transform_passes",
         ),
         Stage(
             "edge",
@@ -511,6 +521,14 @@ def stages() -> tuple[Stage, ...]:
             _bind_outputs,
             "a delegate's QNN outputs listed in the order of its signature",
             hook="after_build",
+        ),
+        Stage(
+            "build",
+            "kept_dequantize",
+            is_kept_dequantize,
+            "executorch's FoldQDQ of a delegate's preprocess leaves the dequantizes "
+            "dequantize_float_readers inserted",
+            hook="kept_dequantize",
         ),
         Stage(
             "compile",

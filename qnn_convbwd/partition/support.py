@@ -159,14 +159,21 @@ def _quantized_by_metadata(node: torch.fx.Node) -> str | None:
     After executorch's AnnotateQuantAttrs and FoldQDQ the Q/DQ nodes of
     activations are gone and their parameters live in ``meta[QCOM_QUANT_ATTRS]``
     of the producer (and of the node whose output was quantized). A quantized
-    parameter keeps its dequantize (marked bypass); the attributes sit on the
-    parameter behind it.
+    parameter keeps its dequantize (marked bypass), and a quantized activation read
+    as float keeps one (``passes.quant_boundary``); the attributes sit on the
+    tensor behind it.
     """
     key = integration.get("QCOM_QUANT_ATTRS")
-    weight = _weight_node(node)
-    candidates = [("grad_output", node.args[geo.GRAD_OUTPUT]), ("weight", weight)]
-    if _is_dequantize(weight) and isinstance(weight.args[0], torch.fx.Node):
-        candidates.append(("weight", weight.args[0]))
+    candidates = []
+    for role, operand in (
+        ("grad_output", node.args[geo.GRAD_OUTPUT]),
+        ("weight", _weight_node(node)),
+    ):
+        candidates.append((role, operand))
+        # A quantized activation reaches a float reader through the dequantize
+        # passes/quant_boundary.py keeps; the attributes sit on the tensor before it.
+        if _is_dequantize(operand) and isinstance(operand.args[0], torch.fx.Node):
+            candidates.append((role, operand.args[0]))
     candidates.append(("output", node))
     for role, operand in candidates:
         if operand.meta.get(key):

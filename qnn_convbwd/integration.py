@@ -106,16 +106,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     ("torchao.quantization.pt2e.utils", "get_new_attr_name_with_prefix", "1-D weight buffers"),
     ("torch._guards", "detect_fake_mode", "1-D weight buffers"),
     (f"{_QC}._passes", "I64toI32", "pass ordering"),
-    (
-        f"{_QC}._passes.fold_qdq",
-        "FoldQDQ._fold_dq",
-        "patched: the dequantizes the plugin keeps before float readers stay",
-    ),
-    (
-        f"{_QC}.builders.node_visitor",
-        "NodeVisitor.get_node",
-        "patched: a kept dequantize is read as itself, not through",
-    ),
+    (f"{_QC}.builders.qnn_constants", "OpDequantize", "QNN op names (quantized to float)"),
     (f"{_QC}._passes", "AnnotateGetAttr", "pass ordering (constant reads merged before)"),
     (f"{_QC}._passes", "RecomposePadMaxPool2d", "pass ordering (max pool indices plane)"),
     (f"{_QC}.builders.qnn_constants", "OpElementWiseAdd", "QNN op names (max pool backward)"),
@@ -405,10 +396,6 @@ class Hooks:
     # ``build_observed`` is True while capture_qnn_graphs runs or something wrapped the
     # delegates' build on top of the plugin's (a profiler): it must then run in process.
     preprocess: Callable[[Callable[[Any, Any], Any], Any, Any, bool], Any] | None = None
-    # node -> True for a dequantize executorch's FoldQDQ must leave in the graph (it
-    # folds the others, in to_edge and in a delegate's preprocess) and its visitors
-    # must read as itself (``NodeVisitor.get_node`` reads through the others).
-    kept_dequantize: Callable[[Any], bool] | None = None
 
 
 # executorch's visitor of the forward convolution, wrapped when conv_define is set.
@@ -718,7 +705,6 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
         _patch_preprocess,
         _patch_pass_manager,
         _patch_int64,
-        _patch_kept_dequantize,
     ):
         patch(p, hooks)
 
@@ -747,49 +733,6 @@ class _CompilingManager:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._manager, name)
-
-
-class _Kept:
-    """The target a kept dequantize carries while FoldQDQ runs: not one of its ops."""
-
-    __name__ = "qnn_convbwd_kept_dequantize"
-
-
-def _patch_kept_dequantize(p: _Patches, hooks: Hooks) -> None:
-    """The dequantizes ``hooks.kept_dequantize`` names stay and are read as themselves.
-
-    executorch's ``FoldQDQ._fold_dq`` folds every activation dequantize: while it runs,
-    a kept one carries a target that is not a dequantize op, so the pass passes it by
-    (its own target is restored after). ``NodeVisitor.get_node`` reads through a
-    dequantize to the tensor it converts (meant for a quantized weight's): a visitor
-    reading a kept one reads its float output instead."""
-    if hooks.kept_dequantize is None:
-        return
-    keep = hooks.kept_dequantize
-    fold_cls = owner("FoldQDQ._fold_dq")
-    original_fold = fold_cls.__dict__["_fold_dq"]
-
-    def fold_dq(self, graph_module):
-        kept = {n: n.target for n in graph_module.graph.nodes if keep(n)}
-        for node in kept:
-            node.target = _Kept
-        try:
-            return original_fold(self, graph_module)
-        finally:
-            for node, target in kept.items():
-                node.target = target
-
-    p.set_attr(fold_cls, "_fold_dq", fold_dq)
-
-    visitor_cls = owner("NodeVisitor.get_node")
-    original_get_node = visitor_cls.__dict__["get_node"]
-
-    def get_node(self, node):
-        if node is not None and keep(node):
-            return node
-        return original_get_node(self, node)
-
-    p.set_attr(visitor_cls, "get_node", get_node)
 
 
 def _patch_preprocess(p: _Patches, hooks: Hooks) -> None:

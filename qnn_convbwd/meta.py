@@ -72,11 +72,11 @@ GRAD_TO_TORCH = "qnn_convbwd_grad_to_torch"
 TRAINED = "qnn_convbwd_trained"
 OPTIMIZER = "qnn_convbwd_optimizer"
 
-# passes/quant_boundary.py: a dequantize the plugin put between a quantized tensor and
-# an op that computes in float. executorch's FoldQDQ, which folds every other
-# activation dequantize into its producer's quantization metadata, leaves it, so the
-# delegate converts the tensor with QNN's Dequantize.
-KEPT_DEQUANTIZE = "qnn_convbwd_kept_dequantize"
+# passes/quant_boundary.py: a float copy (``aten._to_copy``) the plugin put between a
+# quantized tensor and the ops that read it as float. Its visitor
+# (builders/op_dequantize.py) builds QNN's Dequantize; on CPU, where executorch's
+# FoldQDQ left the tensor float, it is a copy.
+DEQUANTIZING_COPY = "qnn_convbwd_dequantizing_copy"
 
 ALL = (
     NAME_SEEN,
@@ -94,5 +94,5 @@ ALL = (
     GRAD_TO_TORCH,
     TRAINED,
     OPTIMIZER,
-    KEPT_DEQUANTIZE,
+    DEQUANTIZING_COPY,
 )

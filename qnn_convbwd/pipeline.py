@@ -51,7 +51,7 @@ from .passes.conv_batch_norm import FoldConvolutionBatchNorm
 from .passes.distribute_mul import DistributeMul
 from .passes.hardswish import CentredHardActivations
 from .passes.loss_scale import ScaleLoss
-from .passes.quant_boundary import DequantizeFloatReaders, is_kept_dequantize
+from .passes.quant_boundary import DequantizeFloatReaders
 from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
@@ -160,7 +160,12 @@ def _bind_outputs(edge_program: Any, wrappers: list) -> list:
 @functools.cache
 def stages() -> tuple[Stage, ...]:
     """Every stage, in the order it runs (builders are imported on first use)."""
-    from .builders import op_max_pool_backward, op_max_pool_with_indices, weight_views
+    from .builders import (
+        op_dequantize,
+        op_max_pool_backward,
+        op_max_pool_with_indices,
+        weight_views,
+    )
     from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
 
@@ -250,9 +255,9 @@ def stages() -> tuple[Stage, ...]:
             "edge",
             "dequantize_float_readers",
             DequantizeFloatReaders,
-            "a dequantize between a quantized tensor and the ops that read it as float "
-            "(a float head on a quantized backbone), which executorch's FoldQDQ removed: "
-            "QNN converts the tensor in the delegate",
+            "a dequantizing copy between a quantized tensor and the ops that read it as "
+            "float (a float head on a quantized backbone); after executorch's FoldQDQ, "
+            "which removed the dequantize",
             hook="transform_passes",
         ),
         Stage(
@@ -492,6 +497,14 @@ def stages() -> tuple[Stage, ...]:
         ),
         Stage(
             "build",
+            "dequantizing_copy",
+            ((op_dequantize.TARGET, op_dequantize.define_dequantizing_copy),),
+            "executorch's copy visitor, wrapped: a dequantizing copy is QNN's Dequantize "
+            "of the quantized tensor",
+            hook="visitor_wraps",
+        ),
+        Stage(
+            "build",
             "weight_views",
             ((weight_views.TARGET, weight_views.define_permute),),
             "executorch's permute visitor, wrapped: the permutes around a trainable "
@@ -521,14 +534,6 @@ def stages() -> tuple[Stage, ...]:
             _bind_outputs,
             "a delegate's QNN outputs listed in the order of its signature",
             hook="after_build",
-        ),
-        Stage(
-            "build",
-            "kept_dequantize",
-            is_kept_dequantize,
-            "executorch's FoldQDQ of a delegate's preprocess leaves the dequantizes "
-            "dequantize_float_readers inserted",
-            hook="kept_dequantize",
         ),
         Stage(
             "compile",

@@ -26,7 +26,7 @@ import torch
 
 from .. import integration, signature
 from ..geometry import conv as geo
-from ..meta import PINNED, WEIGHT_TO_DEVICE, WEIGHT_VIEW
+from ..meta import DEQUANTIZING_COPY, PINNED, WEIGHT_TO_DEVICE, WEIGHT_VIEW
 from . import target as targets
 from .target import FLOAT_DTYPES, Target
 from .verdict import Decision, Rejection, rules, settle
@@ -160,8 +160,8 @@ def _quantized_by_metadata(node: torch.fx.Node) -> str | None:
     activations are gone and their parameters live in ``meta[QCOM_QUANT_ATTRS]``
     of the producer (and of the node whose output was quantized). A quantized
     parameter keeps its dequantize (marked bypass), and a quantized activation read
-    as float keeps one (``passes.quant_boundary``); the attributes sit on the
-    tensor behind it.
+    as float is read through a dequantizing copy (``passes.quant_boundary``); the
+    attributes sit on the tensor behind either.
     """
     key = integration.get("QCOM_QUANT_ATTRS")
     candidates = []
@@ -170,9 +170,12 @@ def _quantized_by_metadata(node: torch.fx.Node) -> str | None:
         ("weight", _weight_node(node)),
     ):
         candidates.append((role, operand))
-        # A quantized activation reaches a float reader through the dequantize
-        # passes/quant_boundary.py keeps; the attributes sit on the tensor before it.
-        if _is_dequantize(operand) and isinstance(operand.args[0], torch.fx.Node):
+        # A quantized weight keeps its dequantize; a quantized activation reaches a
+        # float reader through passes.quant_boundary's copy. The attributes sit on the
+        # tensor before either.
+        if (_is_dequantize(operand) or operand.meta.get(DEQUANTIZING_COPY)) and isinstance(
+            operand.args[0], torch.fx.Node
+        ):
             candidates.append((role, operand.args[0]))
     candidates.append(("output", node))
     for role, operand in candidates:

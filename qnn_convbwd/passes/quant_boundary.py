@@ -1,4 +1,4 @@
-"""A dequantize where a quantized tensor meets an op that computes in float.
+"""A dequantizing copy where a quantized tensor meets an op that computes in float.
 
 A program quantized with pt2e (``prepare_pt2e`` / ``convert_pt2e``) only in part, such
 as a quantized frozen backbone under a float head that trains, has
@@ -6,17 +6,20 @@ as a quantized frozen backbone under a float head that trains, has
 of the backbone feeds the head's first float op. executorch's ``AnnotateQuantAttrs``
 writes each pair's parameters on the producer (``QCOM_QUANT_ATTRS``) and ``FoldQDQ``
 removes the pair: the head's op then reads the producer's quantized tensor as if it
-were float. QNN refuses such an op (measured, SM8650, ExecuTorch's CIFAR model with its
-classifier left float: ``Unsupported input/output datatypes requested for the HTP Op
-'Reshape'``, ``in[0]: QNN_DATATYPE_UFIXED_POINT_8``, ``out[0]: QNN_DATATYPE_FLOAT_32``),
-so it stayed on CPU between two delegates.
+were float. QNN refuses such an op (measured, SM8650, ExecuTorch's CIFAR model with
+its classifier left float: ``Unsupported input/output datatypes requested for the HTP
+Op 'Reshape'``, ``in[0]: QNN_DATATYPE_UFIXED_POINT_8``, ``out[0]:
+QNN_DATATYPE_FLOAT_32``), so it stayed on CPU between two delegates.
 
-``dequantize_float_readers`` puts the dequantize back, after ``FoldQDQ``: one
-``dequantize_per_tensor`` per quantized producer whose readers compute in float, with
-the producer's parameters, marked ``meta.KEPT_DEQUANTIZE`` so that executorch's
-``FoldQDQ`` of the delegate's preprocess leaves it (``integration``'s FoldQDQ patch).
-The delegate then converts the tensor with QNN's Dequantize and the float ops take
-it, in the same delegate.
+``dequantize_float_readers`` gives each such producer one float copy
+(``aten._to_copy`` to its float dtype, marked ``meta.DEQUANTIZING_COPY``) that its
+float readers read instead, after ``FoldQDQ``. In a delegate the copy is QNN's
+Dequantize of the quantized tensor (``builders/op_dequantize.py``), so the float ops
+join the quantized ones' delegate. On CPU it is a copy, which is right there: the
+CPU program computes the tensor in float (executorch's FoldQDQ removed its quantize),
+as it would without the plugin. A dequantize node would not do: executorch's FoldQDQ
+folds every activation dequantize, its visitors read through one
+(``NodeVisitor.get_node``), and its CPU kernel asserts an integer input.
 """
 
 from __future__ import annotations
@@ -27,29 +30,22 @@ import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
 from .. import integration
-from ..meta import KEPT_DEQUANTIZE
+from ..meta import DEQUANTIZING_COPY
 
 logger = logging.getLogger(__name__)
 
-# The quantization parameters of QCOM_QUANT_ATTRS a per-tensor dequantize takes, in
-# its argument order (after the tensor).
-_PER_TENSOR_ARGS = ("scale", "zero_point", "quant_min", "quant_max", "dtype")
 
-
-def _quantize_ops() -> tuple[set, set]:
-    """(quantize ops, dequantize ops) of the edge dialect."""
+def _quantize_ops() -> set:
+    """The quantize and dequantize ops of the edge dialect."""
     ops = integration.get("ops").edge.quantized_decomposed
-    quantize = {
+    return {
         ops.quantize_per_tensor.default,
         ops.quantize_per_tensor.tensor,
         ops.quantize_per_channel.default,
-    }
-    dequantize = {
         ops.dequantize_per_tensor.default,
         ops.dequantize_per_tensor.tensor,
         ops.dequantize_per_channel.default,
     }
-    return quantize, dequantize
 
 
 def _floating(node: torch.fx.Node) -> bool:
@@ -57,56 +53,58 @@ def _floating(node: torch.fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
 
 
-def is_kept_dequantize(node: torch.fx.Node) -> bool:
-    """A dequantize this pass inserted (``FoldQDQ`` leaves it)."""
-    return bool(node.meta.get(KEPT_DEQUANTIZE))
+def is_dequantizing_copy(node: object) -> bool:
+    """A copy this pass inserted (QNN's Dequantize in a delegate)."""
+    return isinstance(node, torch.fx.Node) and bool(node.meta.get(DEQUANTIZING_COPY))
+
+
+def quantized_producer(node: torch.fx.Node) -> bool:
+    """An op whose output the QNN delegate holds quantized (``QCOM_QUANT_ATTRS``)."""
+    return (
+        node.op == "call_function"
+        and bool(node.meta.get(integration.get("QCOM_QUANT_ATTRS")))
+        and node.target not in _quantize_ops()
+        and _floating(node)
+    )
+
+
+def float_readers(producer: torch.fx.Node) -> list[torch.fx.Node]:
+    """The ops that read ``producer``'s tensor and compute in float (no quantization
+    metadata of their own, a floating output)."""
+    key = integration.get("QCOM_QUANT_ATTRS")
+    quantize_ops = _quantize_ops()
+    return [
+        user
+        for user in producer.users
+        if user.op == "call_function"
+        and user.target not in quantize_ops
+        and key not in user.meta
+        and not is_dequantizing_copy(user)
+        and _floating(user)
+    ]
 
 
 def dequantize_float_readers(graph_module: torch.fx.GraphModule) -> int:
-    """Insert a dequantize between each quantized activation and its float readers;
-    returns how many were inserted."""
-    key = integration.get("QCOM_QUANT_ATTRS")
-    quantize, dequantize = _quantize_ops()
-    per_tensor = integration.get("ops").edge.quantized_decomposed
+    """Insert a dequantizing copy between each quantized activation and its float
+    readers; returns how many were inserted."""
+    copy_op = integration.get("ops").edge.aten._to_copy.default
     inserted = 0
     for producer in list(graph_module.graph.nodes):
-        attrs = producer.meta.get(key)
-        if (
-            not attrs
-            or producer.op != "call_function"
-            or producer.target in quantize | dequantize
-            or not _floating(producer)
-        ):
+        if not quantized_producer(producer):
             continue
-        readers = [
-            user
-            for user in producer.users
-            if user.op == "call_function"
-            and user.target not in quantize | dequantize
-            and key not in user.meta
-            and _floating(user)
-        ]
+        readers = float_readers(producer)
         if not readers:
             continue
-        if attrs.get("encoding") != per_tensor.quantize_per_tensor.default:
-            logger.debug(
-                "%s: quantized with %s, read as float by %s: no dequantize inserted",
-                producer.name,
-                attrs.get("encoding"),
-                ", ".join(r.name for r in readers),
-            )
-            continue
+        value = producer.meta["val"]
         with graph_module.graph.inserting_after(producer):
             node = graph_module.graph.create_node(
-                "call_function",
-                per_tensor.dequantize_per_tensor.default,
-                (producer, *(attrs[name] for name in _PER_TENSOR_ARGS)),
+                "call_function", copy_op, (producer,), {"dtype": value.dtype}
             )
-        node.meta["val"] = producer.meta["val"]
+        node.meta["val"] = value
         for name in ("nn_module_stack", "stack_trace"):
             if name in producer.meta:
                 node.meta[name] = producer.meta[name]
-        node.meta[KEPT_DEQUANTIZE] = True
+        node.meta[DEQUANTIZING_COPY] = True
         for reader in readers:
             reader.replace_input_with(producer, node)
         logger.debug(

@@ -1,8 +1,9 @@
 """A pt2e-quantized frozen backbone (8a8w, per-channel weights) under a float head that
-trains, lowered for training (docs/training.md, "A quantized frozen backbone").
+trains, lowered for training (docs/quantized.md).
 
 ExecuTorch's CIFAR model: ``features`` calibrated and converted with executorch's
-``QnnQuantizer``, ``classifier`` left float and trainable. On SM8650 the quantized
+``QnnQuantizer``, ``classifier`` left float and trainable
+(``qnn_convbwd_dev.quantized_backbone``). On SM8650 the quantized
 convolutions, the float head with its backward and the loss are one delegate: the
 head reads the backbone's uint8 output through a dequantizing copy
 (``passes.quant_boundary``, QNN's Dequantize). The reference is torch running the
@@ -18,58 +19,12 @@ import functools
 import math
 
 import pytest
-import torch
 from torch import nn
 
-BATCH = 8
+from qnn_convbwd_dev import quantized_backbone as qb
+
 STEPS = 3
 LR = 0.05
-
-
-class QuantizedBackbone(nn.Module):
-    """A converted pt2e backbone (frozen) and a float head."""
-
-    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.classifier = head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.flatten(self.backbone(x), 1))
-
-
-def quantized_cifar(seed: int = 0) -> QuantizedBackbone:
-    """ExecuTorch's CIFAR model with ``features`` quantized 8a8w (per-channel weights),
-    calibrated on 8 seeded batches; the classifier float, in eval() (no dropout)."""
-    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    from qnn_convbwd import finetune
-
-    net = finetune.architecture("cifar", seed=seed).eval()
-    quantizer = QnnQuantizer()
-    quantizer.set_default_quant_config(QuantDtype.use_8a8w, is_conv_per_channel=True)
-    gen = torch.Generator().manual_seed(seed)
-    batches = [torch.randn(BATCH, 3, 32, 32, generator=gen) for _ in range(8)]
-    exported = torch.export.export(net.features, (batches[0],), strict=True).module()
-    prepared = prepare_pt2e(exported, quantizer)
-    for batch in batches:
-        prepared(batch)
-    backbone = convert_pt2e(prepared)
-    for parameter in backbone.parameters():  # the float originals, unused by the graph
-        parameter.requires_grad_(False)
-    return QuantizedBackbone(backbone, net.classifier)
-
-
-def _batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randn(BATCH, 3, 32, 32, generator=gen),
-            torch.randint(0, 10, (BATCH,), generator=gen),
-        )
-        for _ in range(STEPS + 1)
-    ]
 
 
 @functools.cache
@@ -78,47 +33,22 @@ def _lowered(soc: str):
     from qnn_convbwd import integration, training
     from qnn_convbwd.toolchain import harness
 
-    model = quantized_cifar()
-    x, y = _batches()[0]
+    model = qb.quantized_cifar("8a8w", "split")
     with integration.capture_qnn_graphs() as graphs:
         program = training.lower_for_training(
             training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
-            (x, y),
+            qb.batches(1)[0],
             harness.compile_specs(soc),
         )
     return model, program, [list(g) for g in graphs]
 
 
-def _train_both(model: QuantizedBackbone, program) -> list[tuple[float, float]]:
-    """(program loss, torch loss) per SGD step, from the same weights and batches."""
-    reference = copy.deepcopy(model)
-    optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR)
-    session = program.session(LR)
-    losses = []
-    for x, y in _batches()[1:]:
-        ours = session.step([x, y])
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(reference(x), y)
-        loss.backward()
-        optimizer.step()
-        losses.append((ours, loss.item()))
-    session.close()
-    return losses
-
-
-def _assert_losses_follow_torch(losses: list[tuple[float, float]]) -> None:
-    for step, (ours, theirs) in enumerate(losses):
+def _assert_losses_follow_torch(model, program) -> None:
+    """Each step's loss within 3e-2 * max(1, |loss|) of torch's."""
+    steps = qb.train_both(model, program, qb.batches(STEPS + 1)[1:], LR)
+    for step, (ours, theirs, _) in enumerate(steps):
         bound = 3e-2 * max(1.0, abs(theirs))
         assert abs(ours - theirs) <= bound, f"step {step}: {ours} vs torch {theirs} (> {bound})"
-
-
-def _backbone_weights(model: QuantizedBackbone) -> dict[str, torch.Tensor]:
-    """The converted backbone's int8 weights (its per-channel quantized constants)."""
-    return {
-        name: value
-        for name, value in model.backbone.named_buffers()
-        if value.dtype == torch.int8 and value.dim() == 4
-    }
 
 
 @pytest.mark.htp
@@ -144,7 +74,7 @@ def test_backbone_weights_are_stored_once_as_int8(qnn_sdk):
 
     model, program, graphs = _lowered("SM8650")
     (ops,) = graphs
-    weights = _backbone_weights(model)
+    weights = qb.int8_weights(model)
     assert len(weights) == 3
     convs = [op for op in ops if op.op_type == "Conv2d"]
     static_reads = collections.Counter(t.name for op in ops for t in op.inputs if t.is_static)
@@ -178,7 +108,7 @@ def test_backbone_weights_are_stored_once_as_int8(qnn_sdk):
 @pytest.mark.htp
 def test_three_sgd_steps_follow_torch_on_the_simulator(qnn_sdk):
     model, program, _ = _lowered("SM8650")
-    _assert_losses_follow_torch(_train_both(model, program))
+    _assert_losses_follow_torch(model, program)
 
 
 @pytest.mark.htp
@@ -192,4 +122,24 @@ def test_below_v69_the_program_runs_on_cpu_and_follows_torch(qnn_sdk):
     assert harness.delegate_count(program.edge) == 0 and graphs == []
     rules = {op.rule for op in program.report.on_cpu}
     assert rules == {"training_graph_below_v69"}, program.report.on_cpu_markdown()
-    _assert_losses_follow_torch(_train_both(model, program))
+    _assert_losses_follow_torch(model, program)
+
+
+@pytest.mark.htp
+@pytest.mark.slow(reason="two more lowerings and six simulator steps")
+@pytest.mark.parametrize(("dtype", "mode"), [("8a8w", "whole"), ("16a8w", "split")])
+def test_other_quantizations_are_one_delegate_and_follow_torch(qnn_sdk, dtype, mode):
+    """The whole model quantized with the head's nodes left unannotated; 16-bit
+    activations (QuantDtype.use_16a8w)."""
+    from qnn_convbwd import training
+    from qnn_convbwd.toolchain import harness
+
+    model = qb.quantized_cifar(dtype, mode)
+    program = training.lower_for_training(
+        training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+        qb.batches(1)[0],
+        harness.compile_specs("SM8650"),
+    )
+    assert program.report.on_cpu == [], program.report.on_cpu_markdown()
+    assert harness.delegate_count(program.edge) == 1
+    _assert_losses_follow_torch(model, program)

@@ -59,10 +59,13 @@ def _in_head(node: torch.fx.Node) -> bool:
     return any(str(path).startswith(HEAD) for path, _ in stack.values())
 
 
-def quantized_cifar(dtype: str = "8a8w", mode: str = "split", seed: int = 0) -> nn.Module:
+def quantized_cifar(
+    dtype: str = "8a8w", mode: str = "split", seed: int = 0, train_head: bool = False
+) -> nn.Module:
     """ExecuTorch's CIFAR model (weights from ``seed``), its ``features`` quantized with
     ``dtype`` and calibrated on seeded batches, its classifier float and trainable, in
-    eval() (no dropout). Only the classifier's parameters require a gradient."""
+    eval() (no dropout) or with ``train_head`` in train() (dropout 0.5, split only).
+    Only the classifier's parameters require a gradient."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     from qnn_convbwd import finetune
@@ -83,7 +86,9 @@ def quantized_cifar(dtype: str = "8a8w", mode: str = "split", seed: int = 0) -> 
         prepared(batch)
     converted = convert_pt2e(prepared)
     if mode == "split":
-        model: nn.Module = QuantizedBackbone(converted, net.classifier)
+        model: nn.Module = QuantizedBackbone(converted, net.classifier.train(train_head))
+    elif train_head:
+        raise ValueError("train_head needs mode='split' (a converted graph has no train())")
     else:
         model = converted
     for name, parameter in model.named_parameters():
@@ -103,6 +108,30 @@ def batches(count: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]
         )
         for _ in range(count)
     ]
+
+
+def without_activation_quantization(model: nn.Module) -> nn.Module:
+    """A copy of a ``quantized_cifar`` model whose activations are not quantized: every
+    per-tensor quantize / dequantize pair of its converted graph removed (the weights'
+    per-channel dequantizes stay). What a CPU program computes after executorch's
+    FoldQDQ folded the pairs."""
+    result = copy.deepcopy(model)
+    dequantize = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    for module in result.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        graph = module.graph
+        for node in list(graph.nodes):
+            if node.target != dequantize or node.args[0].target != quantize:
+                continue
+            quantized = node.args[0]
+            node.replace_all_uses_with(quantized.args[0])
+            graph.erase_node(node)
+            if not quantized.users:
+                graph.erase_node(quantized)
+        module.recompile()
+    return result
 
 
 def int8_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -145,6 +174,7 @@ class Measurement:
     dtype: str
     soc: str
     fp16: bool
+    train_head: bool
     delegates: int
     on_cpu: int
     lower_seconds: float
@@ -161,14 +191,16 @@ def measure(
     fp16: bool = True,
     steps: int = 3,
     lr: float = 0.05,
+    train_head: bool = False,
 ) -> Measurement:
     """Quantize, lower for training (``training.lower_for_training``, the context and
-    lowering caches off) and step ``steps`` times beside torch."""
+    lowering caches off) and step ``steps`` times beside torch. With ``train_head``
+    torch draws its own dropout masks: the losses are not comparable step by step."""
     import qnn_convbwd
     from qnn_convbwd import training
     from qnn_convbwd.toolchain import harness
 
-    model = quantized_cifar(dtype, mode)
+    model = quantized_cifar(dtype, mode, train_head=train_head)
     data = batches(steps + 1)
     with qnn_convbwd.enabled(context_cache=False):
         program = training.lower_for_training(
@@ -182,6 +214,7 @@ def measure(
         dtype=dtype,
         soc=soc,
         fp16=fp16,
+        train_head=train_head,
         delegates=harness.delegate_count(program.edge),
         on_cpu=len(program.report.on_cpu),
         lower_seconds=program.lowering_seconds,
@@ -196,8 +229,9 @@ def markdown_row(m: Measurement) -> str:
     gaps = ", ".join(f"{g:.1e}" for g in m.loss_gaps)
     steps = ", ".join(f"{s:.2f}" for s in m.step_seconds)
     specs = "fp16" if m.fp16 else "fp32"
+    mode = f"{m.mode}, head in train()" if m.train_head else m.mode
     return (
-        f"| {m.mode} | {m.dtype} | {m.soc} ({specs}) | {m.delegates} | {m.on_cpu} | "
+        f"| {mode} | {m.dtype} | {m.soc} ({specs}) | {m.delegates} | {m.on_cpu} | "
         f"{m.lower_seconds:.1f} | {steps} | {gaps} | {m.context_bytes:,} | {m.pte_bytes:,} |"
     )
 

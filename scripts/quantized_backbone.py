@@ -17,13 +17,25 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["8a8w"], choices=sorted(qb.DTYPES))
     parser.add_argument("--socs", nargs="+", default=["SM8650"])
     parser.add_argument("--fp32", action="store_true", help="HTP specs without use_fp16")
+    parser.add_argument(
+        "--train-head",
+        action="store_true",
+        help="the head in train() (dropout); torch draws its own masks",
+    )
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
     rows = []
     for mode in args.modes:
         for dtype in args.dtypes:
             for soc in args.socs:
-                measured = qb.measure(mode, dtype, soc, fp16=not args.fp32, steps=args.steps)
+                measured = qb.measure(
+                    mode,
+                    dtype,
+                    soc,
+                    fp16=not args.fp32,
+                    steps=args.steps,
+                    train_head=args.train_head,
+                )
                 rows.append(qb.markdown_row(measured))
                 print(rows[-1], flush=True)
     print(qb.MARKDOWN_HEAD)

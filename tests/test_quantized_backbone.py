@@ -19,6 +19,7 @@ import functools
 import math
 
 import pytest
+import torch
 from torch import nn
 
 from qnn_convbwd_dev import quantized_backbone as qb
@@ -122,6 +123,17 @@ def test_below_v69_the_program_runs_on_cpu_and_follows_torch(qnn_sdk):
     assert harness.delegate_count(program.edge) == 0 and graphs == []
     rules = {op.rule for op in program.report.on_cpu}
     assert rules == {"training_graph_below_v69"}, program.report.on_cpu_markdown()
+    # executorch's FoldQDQ removed the activations' quantize / dequantize pairs: the
+    # CPU program computes them in float, as torch does without those pairs.
+    x, y = qb.batches(2)[1]
+    session = program.session(LR)
+    try:
+        ours = session.step([x, y])
+    finally:
+        session.close()
+    with torch.no_grad():
+        unquantized = nn.functional.cross_entropy(qb.without_activation_quantization(model)(x), y)
+    assert abs(ours - unquantized.item()) <= 1e-5, (ours, unquantized.item())
     _assert_losses_follow_torch(model, program)
 
 

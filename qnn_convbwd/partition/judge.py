@@ -420,12 +420,36 @@ def no_visitor(node, context):
     return Rejection("executorch's QNN backend has no visitor for this op", name)
 
 
+def _quantization_attrs(attrs: dict) -> str:
+    """``uint8 scale=0.0035 zero_point=0`` (per tensor) or ``int8 per-channel axis=0``."""
+    dtype = str(attrs.get("dtype", "?")).replace("torch.", "")
+    if "scale" in attrs and not isinstance(attrs["scale"], torch.Tensor):
+        return f"{dtype} scale={float(attrs['scale']):.6g} zero_point={attrs.get('zero_point')}"
+    return f"{dtype} per-channel axis={attrs.get('axis')}"
+
+
+def quantization(node: torch.fx.Node) -> str:
+    """How ``node``'s output and tensor operands are quantized (executorch's
+    ``QCOM_QUANT_ATTRS``), e.g. ``output uint8 scale=0.02 zero_point=128; input
+    getitem_2 uint8 ...``; "" when none is."""
+    key = integration.get("QCOM_QUANT_ATTRS")
+    parts = []
+    for role, tensor in (("output", node), *((f"input {a.name}", a) for a in node.all_input_nodes)):
+        attrs = tensor.meta.get(key)
+        if attrs:
+            parts.append(f"{role} {_quantization_attrs(attrs)}")
+    return "; ".join(parts)
+
+
 @executorch_rule
 def backend_validation(node, context):
-    """Asked only when executorch's check refused the node for none of the reasons above."""
+    """Asked only when executorch's check refused the node for none of the reasons above.
+    A quantized node's values name its quantization (the HTP takes an op's quantized
+    forms only for some dtype combinations)."""
+    quantized = quantization(node)
     return Rejection(
         "rejected by the QNN backend's op validation (or its visitor built no op)",
-        context.target.soc,
+        f"{context.target.soc}; quantized: {quantized}" if quantized else context.target.soc,
     )
 
 

@@ -49,7 +49,10 @@ def _quantize_ops() -> set:
 
 
 def _floating(node: torch.fx.Node) -> bool:
+    """A floating output (the first output of a node with several: a max pool's values)."""
     value = node.meta.get("val")
+    if isinstance(value, (tuple, list)) and value:
+        value = value[0]
     return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
 
 
@@ -59,12 +62,14 @@ def is_dequantizing_copy(node: object) -> bool:
 
 
 def quantized_producer(node: torch.fx.Node) -> bool:
-    """An op whose output the QNN delegate holds quantized (``QCOM_QUANT_ATTRS``)."""
+    """An op with one output that the QNN delegate holds quantized (``QCOM_QUANT_ATTRS``)."""
+    value = node.meta.get("val")
     return (
         node.op == "call_function"
         and bool(node.meta.get(integration.get("QCOM_QUANT_ATTRS")))
         and node.target not in _quantize_ops()
-        and _floating(node)
+        and isinstance(value, torch.Tensor)
+        and value.dtype.is_floating_point
     )
 
 

@@ -118,6 +118,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "OpElementWiseMaximum",
         "QNN op names (dilated forward max pool)",
     ),
+    (f"{_QC}.builders.qnn_constants", "OpDequantize", "QNN op names (quantized to float)"),
     (f"{_QC}.builders.qnn_constants", "OpDepthToSpace", "QNN op/param names (stride phases)"),
     (f"{_QC}._passes", "RemoveRedundancy", "pass ordering"),
     (f"{_QC}._passes", "ResolveDebugHandle", "pass ordering"),

@@ -78,6 +78,12 @@ OPTIMIZER = "qnn_convbwd_optimizer"
 # WEIGHT_VIEW and GRAD_VIEW the visitors fold.
 STORED_FILTER = "qnn_convbwd_stored_filter"
 
+# passes/quant_boundary.py: a float copy (``aten._to_copy``) the plugin put between a
+# quantized tensor and the ops that read it as float. Its visitor
+# (builders/op_dequantize.py) builds QNN's Dequantize; on CPU, where executorch's
+# FoldQDQ left the tensor float, it is a copy.
+DEQUANTIZING_COPY = "qnn_convbwd_dequantizing_copy"
+
 ALL = (
     NAME_SEEN,
     PINNED,
@@ -95,4 +101,5 @@ ALL = (
     TRAINED,
     OPTIMIZER,
     STORED_FILTER,
+    DEQUANTIZING_COPY,
 )

@@ -57,6 +57,7 @@ from .passes.conv_batch_norm import FoldConvolutionBatchNorm
 from .passes.distribute_mul import DistributeMul
 from .passes.hardswish import CentredHardActivations
 from .passes.loss_scale import ScaleLoss
+from .passes.quant_boundary import DequantizeFloatReaders
 from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
@@ -165,7 +166,12 @@ def _bind_outputs(edge_program: Any, wrappers: list) -> list:
 @functools.cache
 def stages() -> tuple[Stage, ...]:
     """Every stage, in the order it runs (builders are imported on first use)."""
-    from .builders import op_max_pool_backward, op_max_pool_with_indices, weight_views
+    from .builders import (
+        op_dequantize,
+        op_max_pool_backward,
+        op_max_pool_with_indices,
+        weight_views,
+    )
     from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
 
@@ -259,6 +265,15 @@ def stages() -> tuple[Stage, ...]:
             "(passes.train_mode): executorch's decompositions and to_edge reject the "
             "train-mode ops, so they go first (option dropout_seed: the masks' keys)",
             hook="pre_decomposition",
+        ),
+        Stage(
+            "edge",
+            "dequantize_float_readers",
+            DequantizeFloatReaders,
+            "a dequantizing copy between a quantized tensor and the ops that read it as "
+            "float (a float head on a quantized backbone); after executorch's FoldQDQ, "
+            "which removed the dequantize",
+            hook="transform_passes",
         ),
         Stage(
             "edge",
@@ -493,6 +508,14 @@ def stages() -> tuple[Stage, ...]:
             ),
             "executorch's forward max pool and indices cast visitors, wrapped: the "
             "indices computed on the HTP for the backward",
+            hook="visitor_wraps",
+        ),
+        Stage(
+            "build",
+            "dequantizing_copy",
+            ((op_dequantize.TARGET, op_dequantize.define_dequantizing_copy),),
+            "executorch's copy visitor, wrapped: a dequantizing copy is QNN's Dequantize "
+            "of the quantized tensor",
             hook="visitor_wraps",
         ),
         Stage(

@@ -50,7 +50,14 @@ from typing import Any
 import torch
 
 from .device import DeviceError, Runner, _run
-from .training import PLUGIN_BUFFER_PREFIX, BufferSpec, program_buffers, shared_prefix
+from .passes import filter_storage
+from .training import (
+    PLUGIN_BUFFER_PREFIX,
+    BufferSpec,
+    program_buffers,
+    shared_prefix,
+    stored_layouts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,8 @@ class Run:
     report: dict
     model: dict[str, torch.Tensor]  # model.pt: the eager module's state_dict
     buffers: dict[str, BufferSpec]  # every tensor the program keeps, by program name
+    # Trained weights the program stores permuted (``training.stored_layouts``).
+    stored: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def delegates(self) -> int:
@@ -117,10 +126,11 @@ def load_run(folder: str | Path) -> Run:
     pte = folder / "train.pte"
     try:
         buffers = program_buffers(pte.read_bytes())
+        stored = stored_layouts(pte.read_bytes())
     except Exception as err:  # not a program executorch can read
         raise ArtifactError(f"{pte}: not an executorch program ({type(err).__name__})") from None
     ptd = folder / "train.ptd"
-    run = Run(folder, pte, ptd if ptd.is_file() else None, report, model, buffers)
+    run = Run(folder, pte, ptd if ptd.is_file() else None, report, model, buffers, stored)
     trained = report["program_optimizer"].get("parameters", [])
     missing = [n for n in trained if n not in buffers or run.eager_name(n) is None]
     if missing:
@@ -277,12 +287,13 @@ def read_results(plan: Plan) -> Results:
     for name, value in state.items():
         eager = plan.run.eager_name(name)
         if eager is not None:
+            value = filter_storage.torch_view(value, plan.run.stored.get(name))
             if tuple(model[eager].shape) != tuple(value.shape):
                 raise DeviceError(
                     f"{name}: {list(value.shape)} from the device, {list(model[eager].shape)} "
                     "in model.pt"
                 )
-            model[eager] = value.to(model[eager].dtype)
+            model[eager] = value.to(model[eager].dtype).contiguous()
     return Results(losses, state, model)
 
 

@@ -235,6 +235,17 @@ def program_buffers(pte: bytes) -> dict[str, BufferSpec]:
     return found
 
 
+def stored_layouts(pte: bytes) -> dict[str, tuple[int, ...]]:
+    """The trainable parameters the program stores in another layout than torch's, each
+    with the permutation of torch's tensor it stores (``passes.filter_storage``); only
+    the program is loaded, none of its delegates."""
+    loaded = _LoadedProgram(bytes(pte), None)
+    if filter_storage.METHOD not in loaded.method_names():
+        return {}
+    (text,) = loaded.run_method(filter_storage.METHOD)
+    return filter_storage.decode(text)
+
+
 class _State:
     """``state_dict`` / ``load_state_dict`` of a session, over its ``_targets()``: eager
     name -> (kind, the tensor the state lives in)."""

@@ -26,6 +26,7 @@ from torch import nn
 
 from qnn_convbwd import cli, finetune, finetune_data, training
 from qnn_convbwd.commands import finetune_cli
+from qnn_convbwd.passes import filter_storage
 
 HERE = Path(__file__).resolve().parent
 MODEL = "test_finetune_tool:small_model"
@@ -341,8 +342,14 @@ def test_checkpoint_holds_the_momentum_and_the_scheduled_rate(finished):
     assert float(kept[optimizer_pass.LR_BUFFER]) == 0.05 * finetune.lr_factor(
         "cosine", step - 1, STEPS
     )
+    # The program keeps a trained convolution weight's state in the weight's stored
+    # layout (HWIO); torch.optim's format has torch's.
+    names = json.loads((out / "report.json").read_text())["program_optimizer"]["parameters"]
+    stored = training.stored_layouts((out / "train.pte").read_bytes())
+    assert stored  # the small model's convolution weights
     for index, entry in state["program_optimizer"]["state"].items():
         buffer = kept[f"{optimizer_pass.PREFIX}{index}_momentum_buffer"]
+        buffer = filter_storage.torch_view(buffer, stored.get(names[int(index)]))
         assert torch.equal(entry["momentum_buffer"], buffer)
     assert step == STEPS - 10  # every 10 steps, the last one before the end
     momentum = state["program_optimizer"]["state"]

@@ -192,6 +192,9 @@ def test_read_etdump_refuses_a_wrong_run_count(on_cpu, tmp_path):
         profile.read_etdump(etdump, runs=2, skip=2)
 
 
+@pytest.mark.slow(
+    reason="the command lowers its own program (~25 s idle); the functions it prints are tested above"
+)
 def test_cli_prints_the_profile_and_writes_json(on_cpu, tmp_path, monkeypatch, capsys):
     """``qnn-convbwd profile`` on the small net standing in for ``--model``'s, lowered for
     SM8350 (no simulator) and without the baseline (one lowering)."""

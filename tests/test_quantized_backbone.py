@@ -113,6 +113,7 @@ def test_three_sgd_steps_follow_torch_on_the_simulator(qnn_sdk):
 
 
 @pytest.mark.htp
+@pytest.mark.slow(reason="a third lowering; the SM8650 tests above are the default tier's")
 def test_below_v69_the_program_runs_on_cpu_and_follows_torch(qnn_sdk):
     """SM8350 (V68): the training graph stays on CPU as a whole (rule
     ``training_graph_below_v69``, which a joint graph without the plugin's backward ops

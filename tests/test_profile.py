@@ -193,7 +193,7 @@ def test_read_etdump_refuses_a_wrong_run_count(on_cpu, tmp_path):
 
 
 @pytest.mark.slow(
-    reason="the command lowers its own program (~25 s idle); the functions it prints are tested above"
+    reason="the command lowers its own program (~25 s idle); what it prints is tested above"
 )
 def test_cli_prints_the_profile_and_writes_json(on_cpu, tmp_path, monkeypatch, capsys):
     """``qnn-convbwd profile`` on the small net standing in for ``--model``'s, lowered for

@@ -159,7 +159,12 @@ def _bind_outputs(edge_program: Any, wrappers: list) -> list:
 @functools.cache
 def stages() -> tuple[Stage, ...]:
     """Every stage, in the order it runs (builders are imported on first use)."""
-    from .builders import op_max_pool_backward, op_max_pool_with_indices, weight_views
+    from .builders import (
+        op_avg_pool_backward,
+        op_max_pool_backward,
+        op_max_pool_with_indices,
+        weight_views,
+    )
     from .builders.op_convolution import define_convolution
     from .builders.op_convolution_backward import TARGET, ConvolutionBackwardVisitor
 
@@ -215,7 +220,8 @@ def stages() -> tuple[Stage, ...]:
             "canonicalize",
             "static_shape_operands",
             canonicalize.static_shape_operands,
-            "on delegated nodes: operands read only for their shape become a static full",
+            "on delegated nodes: operands read only for their shape (a convolution_backward's, "
+            "an avg_pool2d_backward's input) become a static full",
         ),
         Stage(
             "canonicalize",
@@ -413,9 +419,10 @@ def stages() -> tuple[Stage, ...]:
             {
                 TARGET: ConvolutionBackwardVisitor,
                 op_max_pool_backward.TARGET: op_max_pool_backward.MaxPoolBackwardVisitor,
+                op_avg_pool_backward.TARGET: op_avg_pool_backward.AvgPoolBackwardVisitor,
             },
             "node visitors of convolution_backward (grad_input by the formulation the "
-            "options pick) and max_pool2d_with_indices_backward",
+            "options pick), max_pool2d_with_indices_backward and avg_pool2d_backward",
             gate="input_gradient, stride, output_padding",
             hook="visitor_targets",
         ),
@@ -425,6 +432,7 @@ def stages() -> tuple[Stage, ...]:
             (
                 edge_ops.convolution_backward.default,
                 edge_ops.max_pool2d_with_indices_backward.default,
+                edge_ops.avg_pool2d_backward.default,
             ),
             "LayoutTransform treats the backward ops as NHWC, like their forwards",
             hook="layout_sensitive_ops",

@@ -49,6 +49,7 @@ from .passes import train_mode as train_mode_pass
 from .passes.batch_norm import StableBatchNorm
 from .passes.conv_batch_norm import FoldConvolutionBatchNorm
 from .passes.distribute_mul import DistributeMul
+from .passes.erf import ErfAsPolynomials
 from .passes.hardswish import CentredHardActivations
 from .passes.loss_scale import ScaleLoss
 from .passes.scalar_constants import PairedScalars
@@ -291,6 +292,15 @@ def stages() -> tuple[Stage, ...]:
             DistributeMul,
             "a * (b + c) as a*b + a*c where fp16 would cancel",
             gate="mul_over_add",
+            hook="transform_passes",
+        ),
+        Stage(
+            "edge",
+            "erf_as_polynomials",
+            ErfAsPolynomials,
+            "erf (GELU's backward) as a series and a rational approximation the HTP runs; "
+            "after DistributeMul, which would reorder their Horner steps, and before "
+            "PairedScalars, which pairs their constant factors",
             hook="transform_passes",
         ),
         Stage(

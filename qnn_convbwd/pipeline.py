@@ -51,6 +51,7 @@ from .passes.conv_batch_norm import FoldConvolutionBatchNorm
 from .passes.distribute_mul import DistributeMul
 from .passes.erf import ErfAsPolynomials
 from .passes.hardswish import CentredHardActivations
+from .passes.layer_norm import TrainableLayerNorms
 from .passes.loss_scale import ScaleLoss
 from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
@@ -267,6 +268,15 @@ def stages() -> tuple[Stage, ...]:
             StableBatchNorm,
             "the remaining eval-mode batch norms as (x - mean) * scale + b",
             gate="batch_norm",
+            hook="transform_passes",
+        ),
+        Stage(
+            "edge",
+            "trainable_layer_norms",
+            TrainableLayerNorms,
+            "layer norms whose weight or bias trains as mean / rsqrt / products, which read "
+            "them at run time (executorch's visitor bakes them); before the partitioner's "
+            "rule trainable_parameter_baked sees them",
             hook="transform_passes",
         ),
         Stage(

@@ -130,6 +130,7 @@ class _Transition(nn.Module):
         return self.head(x.flatten(1))
 
 
+@pytest.mark.slow(reason="a joint training graph lowered and stepped; the bank covers the op")
 def test_densenets_transition_trains_on_htp_next_to_torch(qnn_sdk):
     """In train() (batch statistics), cross-entropy: no pool backward left on CPU, and
     the loss and every gradient within twice torch fp16's own error plus 1e-3."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 
+import pytest
 import torch
 from torch import nn
 
@@ -67,6 +68,7 @@ def _run(edge, x, y):
     return edge.graph_module(*args)
 
 
+@pytest.mark.slow(reason="to_edge of a joint graph on CPU; the simulator step covers the rewrite")
 def test_the_rewrite_computes_the_same_on_cpu():
     from executorch.exir import to_edge
 

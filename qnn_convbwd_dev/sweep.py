@@ -124,11 +124,14 @@ def smallest_size(arch: str, at_least: int = 32) -> int:
 def train_mode_batch(
     arch: str, scheme: str, batch: int, size: int, seed: int = 0
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    """``arch`` in ``train()`` with ``scheme`` applied and dropout modules in ``eval()``,
-    and one seeded batch of random images and labels (10 classes)."""
+    """``arch`` in ``train()`` with ``scheme`` applied (``full``: every parameter trains,
+    as a fresh model's do) and dropout modules in ``eval()``, and one seeded batch of
+    random images and labels (10 classes)."""
     from qnn_convbwd import finetune
 
-    net = finetune.apply_scheme(architecture(arch, 10, seed).train(), scheme, size=size)
+    net = architecture(arch, 10, seed).train()
+    if scheme != "full":  # finetune's schemes need a linear head, which SqueezeNet lacks
+        net = finetune.apply_scheme(net, scheme, size=size)
     for module in net.modules():
         if isinstance(module, nn.modules.dropout._DropoutNd):
             module.eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from qnn_convbwd.api import CpuOp
 from qnn_convbwd.partition import verdict
@@ -70,7 +71,6 @@ def test_smallest_size_is_the_first_size_the_model_takes():
 
 
 def test_googlenet_trains_without_its_auxiliary_heads():
-    import torch
 
     try:
         net, x, y = sweep.train_mode_batch("googlenet", "full", 2, 32)
@@ -79,6 +79,15 @@ def test_googlenet_trains_without_its_auxiliary_heads():
     assert net.training
     out = net(x)
     assert isinstance(out, torch.Tensor) and out.shape == (2, 10)
+
+
+def test_the_full_scheme_trains_every_parameter_even_without_a_linear_head():
+    try:
+        net, _, _ = sweep.train_mode_batch("squeezenet1_1", "full", 2, 32)
+    except TorchvisionUnavailable as err:
+        pytest.skip(str(err))
+    assert all(p.requires_grad for p in net.parameters())
+    assert not any(isinstance(m, torch.nn.Linear) for m in net.modules())
 
 
 @pytest.mark.slow(reason="a decide() of resnet18's joint graph takes about a minute")
@@ -91,7 +100,12 @@ def test_resnet18_decide_leaves_only_the_program_state_on_cpu():
 
 @pytest.mark.slow(reason="lowers resnet18 (last layers) and takes a simulator step")
 def test_lower_and_step_match_torch(qnn_sdk):
+    """At batch 2 and 32 px resnet18's last stage normalises two values per channel
+    (1x1 maps): torch fp16 itself gets a gradient there 89 % wrong and the loss is as
+    ill-conditioned, so the gradients are judged against torch fp16's own error, in
+    median and at worst."""
     row = sweep.sweep_one("resnet18", "last-layers", size=32, batch=2, lower=True, step=True)
     assert row.delegates == 1 and row.count("gap") == 0
-    assert row.step["loss_within"]
-    assert row.step["worst_error"] <= max(1e-2, 4 * row.step["worst_fp16_error"])
+    assert row.step["gradients"] == 17
+    assert row.step["median_ratio"] <= 2.0
+    assert row.step["worst_error"] <= 2 * row.step["worst_fp16_error"] + 1e-3

@@ -4,10 +4,11 @@
   randomly initialised from a seed.
 * ``apply_scheme``: which parameters train (``SCHEMES``).
 * ``digits``: scikit-learn's handwritten digits as small RGB images, split once.
-* ``fit``: trains the model in ``train()`` through the program
-  (``training.lower_for_training``, then ``TrainingProgram.session``) and, on
-  the same batches, an fp32 eager copy with ``torch.optim.SGD``; evaluates both
-  on the test set. ``FitResult.plot`` draws both curves.
+* ``fit``: trains the model in ``train()`` through the program, which applies its
+  optimizer (SGD or AdamW) itself (``training.lower_for_training(...,
+  optimizer=...)``: one call of its ``forward`` is one step), and, on the same
+  batches, an fp32 eager copy with the same ``torch.optim`` optimizer; evaluates
+  both on the test set. ``FitResult.plot`` draws both curves.
 
 scikit-learn and matplotlib come with the ``finetune`` extra
 (``pip install 'qnn-convbwd[finetune]'``).
@@ -45,6 +46,8 @@ TRAIN_SAMPLES, TEST_SAMPLES = 1500, 297  # scikit-learn's 1,797 digits
 EXTRA = "pip install 'qnn-convbwd[finetune]'"
 # The torch copy's dropout masks in ``fit``: the program's, or its own.
 TORCH_MASKS = ("program", "own")
+# ``fit``'s optimizers, both applied inside the program (``program_optimizer``).
+OPTIMIZERS = ("sgd", "adamw")
 
 
 class MissingDependency(ImportError):
@@ -398,7 +401,7 @@ def accuracy(net: nn.Module, test: Any) -> float:
 class Step:
     program_loss: float  # the program's loss on the batch, before its update
     torch_loss: float  # torch eager fp32's, same batch and step
-    seconds: float  # the program's step (forward_backward + SGD update)
+    seconds: float  # the program's step (one call: forward, backward and update)
     torch_seconds: float  # torch eager's step
 
 
@@ -432,9 +435,12 @@ class FitResult:
     torch_state: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     torch_reference: bool = True  # False: no torch copy trained (its losses are NaN)
     # The lowered training program (training.TrainingProgram) and its state after the
-    # last step by program names (TrainingSession.program_state(): TrainingProgram.emit).
+    # last step by program names (session.program_state(): TrainingProgram.emit).
     program: Any = dataclasses.field(default=None, repr=False)
     program_final: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, repr=False)
+    # The optimizer the program applies and the torch copy uses: its name ("sgd",
+    # "adamw"), learning rate and hyper-parameters (``describe_optimizer``).
+    optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def mean_step_seconds(self) -> float:
@@ -501,21 +507,38 @@ def lr_factor(schedule: str, step: int, total: int) -> float:
     raise ValueError(f"lr schedule {schedule!r}: one of {', '.join(LR_SCHEDULES)}")
 
 
-def make_optimizer(
-    parameters: list[torch.Tensor], lr: float, momentum: float, weight_decay: float
-) -> torch.optim.Optimizer:
-    """The optimizer of a fine-tuning run, chosen here for both sides: the program's
-    parameters (the runtime's own tensors, updated in place from the program's gradients)
-    and the torch copy's. ``torch.optim.SGD``, one tensor at a time: the same arithmetic
-    on both sides, and its state (the momentum buffers) is a ``state_dict`` a checkpoint
-    holds. (executorch's ``get_sgd_optimizer`` keeps its momentum buffers where Python
-    cannot read or restore them.)"""
-    return torch.optim.SGD(
-        parameters, lr=lr, momentum=momentum, weight_decay=weight_decay, foreach=False
-    )
+def program_optimizer(
+    optimizer: str, lr: float, momentum: float | None = None, weight_decay: float | None = None
+) -> Any:
+    """The optimizer of a fine-tuning run, chosen here for both sides: the program applies
+    it itself (``training.SGD`` or ``training.AdamW``, passed to ``lower_for_training``)
+    and the torch copy steps with the same ``torch.optim`` optimizer (its
+    ``torch_optimizer``). ``sgd``: momentum (default 0) and L2 weight decay (default 0);
+    ``adamw``: torch's betas (0.9, 0.999) and eps 1e-8, decoupled weight decay (default
+    torch's 0.01); it takes no momentum."""
+    from . import training
+
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r}: one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "sgd":
+        return training.SGD(lr, momentum=momentum or 0.0, weight_decay=weight_decay or 0.0)
+    if momentum:
+        raise ValueError(f"momentum {momentum:g} is SGD's: the adamw optimizer takes none")
+    if weight_decay is None:
+        return training.AdamW(lr)
+    return training.AdamW(lr, weight_decay=weight_decay)
 
 
-CHECKPOINT_FORMAT = "qnn-convbwd finetune checkpoint 1"
+def describe_optimizer(optimizer: Any) -> dict[str, Any]:
+    """The optimizer's kind and hyper-parameters, JSON-able (``report.json``,
+    checkpoints)."""
+    settings = dataclasses.asdict(optimizer)
+    if "betas" in settings:
+        settings["betas"] = list(settings["betas"])
+    return {"name": type(optimizer).__name__.lower(), **settings}
+
+
+CHECKPOINT_FORMAT = "qnn-convbwd finetune checkpoint 2"
 
 
 def fit(
@@ -529,8 +552,9 @@ def fit(
     steps: int | None = None,
     epochs: int | None = None,
     lr: float = 0.05,
-    momentum: float = 0.0,
-    weight_decay: float = 0.0,
+    momentum: float | None = None,
+    weight_decay: float | None = None,
+    optimizer: str = "sgd",
     seed: int = 0,
     cpu_only: bool = False,
     train_mode: bool = True,
@@ -546,7 +570,11 @@ def fit(
 ) -> FitResult:
     """Train a copy of ``model`` (cross-entropy) through the lowered program and, on the
     same batches, an fp32 eager copy; both from the same weights, both with
-    ``make_optimizer``'s optimizer at ``lr`` times ``lr_factor(lr_schedule, ...)``.
+    ``program_optimizer(optimizer, lr, momentum, weight_decay)`` at ``lr`` times
+    ``lr_factor(lr_schedule, ...)``. The program applies the optimizer itself: each step
+    is one call of its ``forward`` (forward, backward, update), the schedule setting the
+    program's learning rate (``session.lr``) before it; the torch copy steps with the
+    same ``torch.optim`` optimizer.
 
     ``train`` and ``test`` are ``(images, labels)`` tensors or ``DataLoader``\\ s. The
     program's batch is fixed at lowering, so only batches of exactly ``batch``
@@ -571,12 +599,14 @@ def fit(
     ``steps`` done of ``total``) and the evaluation made at that step, if any.
 
     ``on_checkpoint(state)`` is called every ``checkpoint_every`` steps (default: each
-    epoch) before the last with everything the run carries from step to step: the
-    program's parameters and updated buffers (its dropout step counter included), both
-    optimizers' state, the torch copy, torch's random state and the steps and
-    evaluations so far. ``resume`` is such a state: the run goes on from its step, and
-    its remaining steps compute what an uninterrupted run computes. ``external_weights``
-    lowers a program whose weights live in a ``.ptd`` (``FitResult.program.ptd``).
+    epoch) before the last with everything the run carries from step to step: every
+    tensor the program keeps (``session.program_state()``: parameters, updated buffers,
+    the optimizer's state, step count and learning rate, the dropout step counter), the
+    program's optimizer state in ``torch.optim``'s format too, the torch copy and its
+    optimizer, torch's random state and the steps and evaluations so far. ``resume`` is
+    such a state: the run goes on from its step, and its remaining steps compute what an
+    uninterrupted run computes. ``external_weights`` lowers a program whose weights live
+    in a ``.ptd`` (``FitResult.program.ptd``).
     """
     from . import training
     from .api import enabled
@@ -589,6 +619,8 @@ def fit(
         raise ValueError(f"torch_masks={torch_masks!r}: one of {', '.join(TORCH_MASKS)}")
     if lr_schedule not in LR_SCHEDULES:
         raise ValueError(f"lr schedule {lr_schedule!r}: one of {', '.join(LR_SCHEDULES)}")
+    chosen = program_optimizer(optimizer, lr, momentum, weight_decay)
+    described = describe_optimizer(chosen)
     net = apply_scheme(copy.deepcopy(model), scheme)
     net.train(train_mode)
     trainable = trainable_names(net)
@@ -608,12 +640,15 @@ def fit(
             f"the checkpoint is of a run of {resume.get('total')} steps, not {total} "
             f"(or not a checkpoint of {CHECKPOINT_FORMAT!r})"
         )
+    if resume is not None and resume.get("optimizer") != described:
+        raise ValueError(
+            f"the checkpoint is of a run with the optimizer {resume.get('optimizer')}, "
+            f"not {described}"
+        )
 
     reference = copy.deepcopy(net) if torch_reference else None
     reference_optimizer = (
-        make_optimizer(
-            [p for p in reference.parameters() if p.requires_grad], lr, momentum, weight_decay
-        )
+        chosen.torch_optimizer([p for p in reference.parameters() if p.requires_grad])
         if reference is not None
         else None
     )
@@ -623,7 +658,11 @@ def fit(
     wrapped = training.WithLoss(copy.deepcopy(net), loss)
     with enabled(dropout_seed=seed):
         program = training.lower_for_training(
-            wrapped, first, harness.compile_specs(target_soc), external_weights=external_weights
+            wrapped,
+            first,
+            harness.compile_specs(target_soc),
+            external_weights=external_weights,
+            optimizer=chosen,
         )
     sites: list[dropout.Site] = []
     if reference is not None and train_mode and torch_masks == "program":
@@ -647,15 +686,13 @@ def fit(
         dropped_per_epoch=dropped,
         torch_reference=torch_reference,
         program=program,
+        optimizer=described,
     )
-    session = program.session(lr)
-    parameters = session.parameters()
-    optimizer = make_optimizer(list(parameters.values()), lr, momentum, weight_decay)
+    session = program.session()
     evaluated = copy.deepcopy(net)
     start_step = 0
     if resume is not None:
         session.load_program_state(resume["program_state"])
-        optimizer.load_state_dict(resume["program_optimizer"])
         if reference is not None:
             if resume.get("reference_state") is None:
                 raise ValueError("the checkpoint has no torch copy (a run without torch)")
@@ -681,8 +718,9 @@ def fit(
             "format": CHECKPOINT_FORMAT,
             "step": done,
             "total": total,
+            "optimizer": described,
             "program_state": session.program_state(),
-            "program_optimizer": copy.deepcopy(optimizer.state_dict()),
+            "program_optimizer": session.optimizer_state_dict(),
             "reference_state": None
             if reference is None
             else {k: v.detach().clone() for k, v in reference.state_dict().items()},
@@ -708,14 +746,9 @@ def fit(
             for done in range(start_step + 1, total + 1):
                 x, y = next(batches)
                 rate = lr * lr_factor(lr_schedule, done - 1, total)
+                session.lr = rate
                 start = time.perf_counter()
-                program_loss = float(session.forward_backward((x, y))[0])
-                gradients = session.gradients()
-                for name, parameter in parameters.items():
-                    parameter.grad = gradients[name]
-                for group in optimizer.param_groups:
-                    group["lr"] = rate
-                optimizer.step()
+                program_loss = session.step([x, y])
                 seconds = time.perf_counter() - start
                 torch_loss, torch_seconds = math.nan, math.nan
                 if reference is not None:
@@ -738,16 +771,26 @@ def fit(
                     on_progress(result, total, evaluation)
                 if on_checkpoint is not None and done % checkpoint_every == 0 and done < total:
                     on_checkpoint(state(done))
-        for parameter in parameters.values():
-            parameter.grad = None
         result.program_state = session.state_dict()
         result.program_final = session.program_state()
         if reference is not None:
             result.torch_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     finally:
-        del parameters
         session.close()
     return result
+
+
+def trained_program(result: FitResult) -> tuple[bytes, bytes | None]:
+    """The ``.pte`` (and ``.ptd``) of ``result``'s training program starting where the run
+    ended: every tensor it keeps as after the last step (parameters, running
+    statistics, the optimizer's state and step count, the dropout step counter), except
+    the learning rate, which is the run's base rate (``result.lr``; the schedule is the
+    caller's). No delegate is lowered again (``TrainingProgram.emit``)."""
+    from .passes import optimizer as optimizer_pass
+
+    state = dict(result.program_final)
+    state[optimizer_pass.LR_BUFFER] = torch.tensor([float(result.lr)], dtype=torch.float64)
+    return result.program.emit(state)
 
 
 def _batches(data: Any, batch: int, seed: int) -> Iterator[tuple]:

@@ -118,6 +118,7 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "OpElementWiseMaximum",
         "QNN op names (dilated forward max pool)",
     ),
+    (f"{_QC}.builders.qnn_constants", "OpDequantize", "QNN op names (quantized to float)"),
     (f"{_QC}.builders.qnn_constants", "OpDepthToSpace", "QNN op/param names (stride phases)"),
     (f"{_QC}._passes", "RemoveRedundancy", "pass ordering"),
     (f"{_QC}._passes", "ResolveDebugHandle", "pass ordering"),
@@ -182,10 +183,15 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
     (
         "executorch.exir._serialize._program",
         "deserialize_pte_binary",
-        "training sessions: names of the buffers a program updates",
+        "training sessions, device training: the buffers a program updates (names, dtypes, shapes)",
     ),
     ("executorch.exir", "to_edge_transform_and_lower", "lower()"),
     ("executorch.exir", "EdgeProgramManager", "the lowering cache: a stored lowering read back"),
+    (
+        "executorch.exir",
+        "EdgeProgramManager._config_methods",
+        "training programs: a constant method added after lowering (stored weight layouts)",
+    ),
     ("executorch.exir.serde.serialize", "save", "the lowering cache: an edge program stored"),
     ("executorch.exir.serde.serialize", "load", "the lowering cache: an edge program read back"),
     (f"{_QC}.partition.qnn_partitioner", "QnnPartitioner", "lower()"),
@@ -260,6 +266,19 @@ def _listed(path: str, parent: bool = False) -> Any:
 def get(path: str) -> Any:
     """Resolve one listed internal by its attribute path (e.g. ``"OpTransposeConv2d"``)."""
     return _listed(path)
+
+
+def add_constant_methods(edge: Any, methods: dict[str, Any]) -> None:
+    """Add constant methods to a lowered EdgeProgramManager (``to_edge``'s
+    ``constant_methods``, after the fact): executorch keeps them in an attribute its
+    ``to_executorch`` emits."""
+    _listed("EdgeProgramManager._config_methods", parent=True)
+    if not hasattr(edge, "_config_methods"):
+        raise ExecutorchIntegrationError(
+            f"executorch {executorch_version()}: EdgeProgramManager has no _config_methods; "
+            f"qnn_convbwd needs executorch {SUPPORTED_EXECUTORCH}"
+        )
+    edge._config_methods = {**(edge._config_methods or {}), **methods}
 
 
 # ---------------------------------------------------------------------------

@@ -71,6 +71,18 @@ GRAD_TO_TORCH = "qnn_convbwd_grad_to_torch"
 # the node on CPU.
 TRAINED = "qnn_convbwd_trained"
 OPTIMIZER = "qnn_convbwd_optimizer"
+# passes/filter_storage.py, in ``node.meta["custom"]`` too: on the permute of a
+# trainable convolution weight the program stores in the filter layout back to
+# torch's layout (``{"weight": name}``), and on the permute of its gradient to the
+# filter layout (``{"gradient": name}``); ``passes.weight_layout`` makes them the
+# WEIGHT_VIEW and GRAD_VIEW the visitors fold.
+STORED_FILTER = "qnn_convbwd_stored_filter"
+
+# passes/quant_boundary.py: a float copy (``aten._to_copy``) the plugin put between a
+# quantized tensor and the ops that read it as float. Its visitor
+# (builders/op_dequantize.py) builds QNN's Dequantize; on CPU, where executorch's
+# FoldQDQ left the tensor float, it is a copy.
+DEQUANTIZING_COPY = "qnn_convbwd_dequantizing_copy"
 
 ALL = (
     NAME_SEEN,
@@ -88,4 +100,6 @@ ALL = (
     GRAD_TO_TORCH,
     TRAINED,
     OPTIMIZER,
+    STORED_FILTER,
+    DEQUANTIZING_COPY,
 )

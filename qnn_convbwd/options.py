@@ -100,6 +100,14 @@ SCALAR_CONSTANT_MODES = ("paired", "keep")
 # "torch" (1x1: 0-0.8 s against 19 s).
 WEIGHT_LAYOUTS = ("torch", "hwio")
 
+# How a training program (training.lower_for_training) stores those weights, with
+# weight_layout "hwio" (passes/filter_storage.py):
+#   "filter" the default: in the filter layout the delegate reads, so no permute runs
+#            on CPU in a step; sessions show parameters, gradients and optimizer state
+#            in torch's layout;
+#   "torch"  in torch's layout, permuted on CPU every step (passes/weight_layout.py).
+WEIGHT_STORAGES = ("filter", "torch")
+
 # QAIRT's graph finalize optimization level for the HTP graphs compiled (the HTP
 # shim replaces executorch's hard-coded 3, htp_shim.c): a lower level finalises a
 # large graph much faster (docs/toolchain.md has the measured times and results).
@@ -123,6 +131,7 @@ class Options:
     hardswish: str = "centred"
     scalar_constants: str = "paired"
     weight_layout: str = "hwio"
+    weight_storage: str = "filter"
     # Static loss scale S (passes.loss_scale): the backward is seeded with S and each
     # gradient output multiplied by 1 / S on CPU in fp32. A power of two keeps the
     # unscale exact; at most 2**15 (2**16 is not a float16). 1.0: no scaling, the
@@ -167,6 +176,7 @@ class Options:
             ("hardswish", HARDSWISH_MODES),
             ("scalar_constants", SCALAR_CONSTANT_MODES),
             ("weight_layout", WEIGHT_LAYOUTS),
+            ("weight_storage", WEIGHT_STORAGES),
         ):
             value = getattr(self, field)
             if value not in choices:

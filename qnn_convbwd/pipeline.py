@@ -43,7 +43,13 @@ from . import after_partition as after
 from . import context_cache, delegate_io, integration, parallel_finalize, progress, signature
 from .partition import judge
 from .partition.target import Target
-from .passes import canonicalize, layout, preserve_output_dtypes, record_output_dtypes
+from .passes import (
+    canonicalize,
+    filter_storage,
+    layout,
+    preserve_output_dtypes,
+    record_output_dtypes,
+)
 from .passes import optimizer as optimizer_pass
 from .passes import train_mode as train_mode_pass
 from .passes.batch_norm import StableBatchNorm
@@ -53,6 +59,7 @@ from .passes.erf import ErfAsPolynomials
 from .passes.hardswish import CentredHardActivations
 from .passes.layer_norm import TrainableLayerNorms
 from .passes.loss_scale import ScaleLoss
+from .passes.quant_boundary import DequantizeFloatReaders
 from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
@@ -163,6 +170,7 @@ def stages() -> tuple[Stage, ...]:
     """Every stage, in the order it runs (builders are imported on first use)."""
     from .builders import (
         op_avg_pool_backward,
+        op_dequantize,
         op_max_pool_backward,
         op_max_pool_with_indices,
         weight_views,
@@ -236,6 +244,15 @@ def stages() -> tuple[Stage, ...]:
     return (
         Stage(
             "aten",
+            "store_filter_layouts",
+            filter_storage.store,
+            "run by training.lower_for_training on the joint program before the optimizer: "
+            "trainable convolution weights are stored in the filter layout the delegate "
+            "reads, with permutes the visitors fold, so no permute runs on CPU in a step",
+            gate="weight_storage",
+        ),
+        Stage(
+            "aten",
             "in_program_optimizer",
             optimizer_pass.attach,
             "run by training.lower_for_training(optimizer=...) on the joint program before "
@@ -252,6 +269,15 @@ def stages() -> tuple[Stage, ...]:
             "(passes.train_mode): executorch's decompositions and to_edge reject the "
             "train-mode ops, so they go first (option dropout_seed: the masks' keys)",
             hook="pre_decomposition",
+        ),
+        Stage(
+            "edge",
+            "dequantize_float_readers",
+            DequantizeFloatReaders,
+            "a dequantizing copy between a quantized tensor and the ops that read it as "
+            "float (a float head on a quantized backbone); after executorch's FoldQDQ, "
+            "which removed the dequantize",
+            hook="transform_passes",
         ),
         Stage(
             "edge",
@@ -506,6 +532,14 @@ def stages() -> tuple[Stage, ...]:
             ),
             "executorch's forward max pool and indices cast visitors, wrapped: the "
             "indices computed on the HTP for the backward",
+            hook="visitor_wraps",
+        ),
+        Stage(
+            "build",
+            "dequantizing_copy",
+            ((op_dequantize.TARGET, op_dequantize.define_dequantizing_copy),),
+            "executorch's copy visitor, wrapped: a dequantizing copy is QNN's Dequantize "
+            "of the quantized tensor",
             hook="visitor_wraps",
         ),
         Stage(

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from . import integration, options, progress
+from .passes import filter_storage
 from .passes import optimizer as optimizer_pass
 
 # The in-program optimizer's settings (``lower_for_training(optimizer=..., loss_scale=...)``).
@@ -42,6 +43,7 @@ from .passes.optimizer import Adam as Adam
 from .passes.optimizer import AdamW as AdamW
 from .passes.optimizer import DynamicLossScale as DynamicLossScale
 from .passes.optimizer import OptimizerError as OptimizerError
+from .passes.optimizer import ProgramOptimizer as ProgramOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +164,9 @@ class _LoadedProgram:
         self.program = load(pte, **options)
         self._methods: dict = {}
 
+    def method_names(self) -> list[str]:
+        return [self.program.get_method_name(i) for i in range(self.program.num_methods())]
+
     def method(self, name: str):
         if name not in self._methods:
             self._methods[name] = self.program.load_method(name)
@@ -173,16 +178,72 @@ class _LoadedProgram:
 
 def _mutable_buffer_names(pte: bytes) -> list[str]:
     """Names of the tensors of ``forward`` stored in the program's mutable data segment
-    (emitted with ``emit_mutable_buffer_names=True``): the buffers the program updates."""
+    (emitted with ``emit_mutable_buffer_names=True``): the buffers the program updates,
+    each once, in the order the program lists them."""
+    return list(program_buffers(pte))
+
+
+# executorch's serialized scalar types (``exir.schema.ScalarType``) of the tensors a
+# training program keeps, by name.
+_SCALAR_TYPES = {
+    "BYTE": torch.uint8,
+    "CHAR": torch.int8,
+    "SHORT": torch.int16,
+    "INT": torch.int32,
+    "LONG": torch.int64,
+    "HALF": torch.float16,
+    "FLOAT": torch.float32,
+    "DOUBLE": torch.float64,
+    "BOOL": torch.bool,
+    "BFLOAT16": torch.bfloat16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferSpec:
+    """A tensor a program keeps from call to call: its dtype and shape."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+
+def program_buffers(pte: bytes) -> dict[str, BufferSpec]:
+    """Every tensor of ``forward`` in the program's mutable data segment (the buffers it
+    updates: trainable parameters of a program with an in-program optimizer, running
+    statistics, optimizer state, the plugin's counters), by name, read from the ``.pte``
+    bytes alone (nothing is loaded)."""
     result = integration.get("deserialize_pte_binary")(pte)
     program = getattr(result, "program", result)
     (plan,) = [p for p in program.execution_plan if p.name == "forward"]
-    names = []
+    found: dict[str, BufferSpec] = {}
     for value in plan.values:
         info = getattr(value.val, "extra_tensor_info", None)
-        if info is not None and info.fully_qualified_name and info.location.name == "SEGMENT":
-            names.append(info.fully_qualified_name)
-    return names
+        if info is None or not info.fully_qualified_name or info.location.name != "SEGMENT":
+            continue
+        if info.fully_qualified_name in found:
+            continue
+        kind = getattr(value.val.scalar_type, "name", str(value.val.scalar_type))
+        if kind not in _SCALAR_TYPES:
+            raise ValueError(f"{info.fully_qualified_name}: unsupported scalar type {kind}")
+        found[info.fully_qualified_name] = BufferSpec(
+            _SCALAR_TYPES[kind], tuple(int(d) for d in value.val.sizes)
+        )
+    return found
+
+
+def stored_layouts(pte: bytes) -> dict[str, tuple[int, ...]]:
+    """The trainable parameters the program stores in another layout than torch's, each
+    with the permutation of torch's tensor it stores (``passes.filter_storage``); only
+    the program is loaded, none of its delegates."""
+    loaded = _LoadedProgram(bytes(pte), None)
+    if filter_storage.METHOD not in loaded.method_names():
+        return {}
+    (text,) = loaded.run_method(filter_storage.METHOD)
+    return filter_storage.decode(text)
 
 
 class _State:
@@ -204,16 +265,80 @@ class _State:
             self._data_file.write(self.ptd)
             self._data_file.flush()
         self._loaded = _LoadedProgram(self.pte, self._data_file and self._data_file.name, etdump)
+        self._stored: dict[str, tuple[int, ...]] = {}
+        if filter_storage.METHOD in self._loaded.method_names():
+            (text,) = self._loaded.run_method(filter_storage.METHOD)
+            self._stored = filter_storage.decode(text)
         return self.pte
+
+    def _torch_layout(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The program's tensor of parameter ``name`` (or of its optimizer state) seen in
+        torch's layout: a view of what the program stores (``passes.filter_storage``)."""
+        return filter_storage.torch_view(tensor, self._stored.get(name))
 
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         raise NotImplementedError
+
+    def _program_targets(self) -> dict[str, torch.Tensor]:
+        """Program name -> the loaded method's own tensor, for everything the program
+        carries from call to call."""
+        raise NotImplementedError
+
+    def _checked_inputs(self, inputs: Sequence[torch.Tensor]) -> list:
+        """``inputs`` as a list, after checking their count and shapes against the
+        program's ``forward`` (executorch 1.5.1's runtime crashes the process on a tensor
+        of another shape than a static input's)."""
+        inputs = list(inputs)
+        meta = self._forward.method_meta()
+        if len(inputs) != meta.num_inputs():
+            raise ValueError(f"{len(inputs)} inputs given, the program takes {meta.num_inputs()}")
+        for index, value in enumerate(inputs):
+            expected = tuple(meta.input_tensor_meta(index).sizes())
+            if isinstance(value, torch.Tensor) and tuple(value.shape) != expected:
+                raise ValueError(
+                    f"input {index}: shape {tuple(value.shape)}, the program takes {expected} "
+                    "(its shapes, the batch size included, are fixed when it is lowered)"
+                )
+        return inputs
+
+    def program_state(self) -> dict[str, torch.Tensor]:
+        """Copies of everything the program carries from step to step, by program name:
+        the trainable parameters and every buffer it updates, the plugin's own ones (the
+        dropout step counter; an in-program optimizer's state, step count and learning
+        rate) included. ``load_program_state`` puts it back; a program emitted from it
+        (``TrainingProgram.emit``) starts where this session is."""
+        return {name: t.detach().clone() for name, t in self._program_targets().items()}
+
+    def load_program_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Set the parameters and updated buffers from ``program_state()``'s names; every
+        name of this program must be there with its shape and dtype, and nothing is
+        written otherwise."""
+        targets = self._program_targets()
+        missing = sorted(set(targets) - set(state))
+        unexpected = sorted(set(state) - set(targets))
+        shapes = sorted(
+            n
+            for n in set(targets) & set(state)
+            if tuple(state[n].shape) != tuple(targets[n].shape)
+            or state[n].dtype != targets[n].dtype
+        )
+        if missing or unexpected or shapes:
+            raise StateDictError(
+                f"program state does not fit the program: missing {missing}, unexpected "
+                f"{unexpected}, another shape or dtype {shapes}"
+            )
+        with torch.no_grad():
+            for name, tensor in targets.items():
+                tensor.copy_(state[name])
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer under the eager module's names (copies):
         trainable parameters and updated buffers from the runtime, the rest as baked
         into the program (``layout.constants``)."""
-        return {name: t.detach().clone() for name, (_, t) in self._targets().items()}
+        return {
+            name: t.detach().clone(memory_format=torch.contiguous_format)
+            for name, (_, t) in self._targets().items()
+        }
 
     def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Set the trainable parameters and updated buffers in the runtime (training goes
@@ -325,7 +450,7 @@ class TrainingSession(_State):
 
     def forward_backward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """User outputs (the loss first); gradients in ``gradients()``."""
-        outputs = self._forward.call(list(inputs), clone_outputs=False)
+        outputs = self._forward.call(self._checked_inputs(inputs), clone_outputs=False)
         user = [
             o.clone() if isinstance(o, torch.Tensor) else o for o in outputs[: self._gradients_at]
         ]
@@ -336,12 +461,16 @@ class TrainingSession(_State):
         """The last ``forward_backward``'s gradients (copies)."""
         if self._gradients is None:
             raise RuntimeError("no gradients before the first forward_backward")
-        return {name: g.clone() for name, g in self._gradients.items()}
+        return {
+            name: self._torch_layout(name, g).clone(memory_format=torch.contiguous_format)
+            for name, g in self._gradients.items()
+        }
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The runtime's own trainable parameter tensors, by program name (the optimizer
-        updates these in place; writing into them changes the next step's)."""
-        return dict(self._parameters)
+        """The runtime's own trainable parameter tensors, by program name, in torch's
+        layout (views of what the program stores; the optimizer updates these in place,
+        and writing into them changes the next step's)."""
+        return {name: self._torch_layout(name, t) for name, t in self._parameters.items()}
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Current values (copies) of the buffers the program updates, by program name."""
@@ -378,42 +507,15 @@ class TrainingSession(_State):
             raise RuntimeError("this session records no ETDump: make it with etdump=True")
         self._loaded.program.write_etdump_result_to_file(str(etdump_path), str(debug_path))
 
-    def program_state(self) -> dict[str, torch.Tensor]:
-        """Copies of everything the program carries from step to step, by program name:
-        the trainable parameters and every buffer it updates, the plugin's own ones (the
-        dropout step counter) included. ``load_program_state`` puts it back; a program
-        emitted from it (``TrainingProgram.emit``) starts where this session is."""
-        state = {name: t.detach().clone() for name, t in self._parameters.items()}
-        state.update(self.buffers())
-        return state
-
-    def load_program_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Set the parameters and updated buffers from ``program_state()``'s names; every
-        name of this program must be there with its shape, and nothing is written
-        otherwise."""
+    def _program_targets(self) -> dict[str, torch.Tensor]:
         targets = dict(self._parameters)
         targets.update({n: self._forward.get_attribute(n) for n in self._buffer_names})
-        missing = sorted(set(targets) - set(state))
-        unexpected = sorted(set(state) - set(targets))
-        shapes = sorted(
-            n
-            for n in set(targets) & set(state)
-            if tuple(state[n].shape) != tuple(targets[n].shape)
-            or state[n].dtype != targets[n].dtype
-        )
-        if missing or unexpected or shapes:
-            raise StateDictError(
-                f"program state does not fit the program: missing {missing}, unexpected "
-                f"{unexpected}, another shape or dtype {shapes}"
-            )
-        with torch.no_grad():
-            for name, tensor in targets.items():
-                tensor.copy_(state[name])
+        return targets
 
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         """Eager name -> (kind, the tensor the state lives in)."""
         eager = self.layout.eager_name
-        targets = {eager(n): ("parameter", t) for n, t in self._parameters.items()}
+        targets = {eager(n): ("parameter", t) for n, t in self.parameters().items()}
         for name in self._buffer_names:
             # The plugin's own buffers (the dropout step counter) are not the module's.
             if name not in self.layout.transient and not name.startswith(PLUGIN_BUFFER_PREFIX):
@@ -452,7 +554,9 @@ class ProgramOptimizerSession(_State):
         trained = set(optimizer.parameters)
         self._buffer_names = [n for n in names if n not in trained]
         if layout is None:
-            layout = StateLayout(shared_prefix(names))
+            # The plugin's own buffers (optimizer state, counters) carry no module prefix.
+            own = [n for n in names if not n.startswith(PLUGIN_BUFFER_PREFIX)]
+            layout = StateLayout(shared_prefix(own))
         self.layout = layout
 
     def close(self) -> None:
@@ -473,7 +577,7 @@ class ProgramOptimizerSession(_State):
 
     def step(self, inputs: Sequence[torch.Tensor]) -> float:
         """One training step (one call of the program's ``forward``); returns the loss."""
-        outputs = self._forward.call(list(inputs), clone_outputs=False)
+        outputs = self._forward.call(self._checked_inputs(inputs), clone_outputs=False)
         return float(outputs[0])
 
     @property
@@ -536,8 +640,17 @@ class ProgramOptimizerSession(_State):
         self._buffer(optimizer_pass.GROWTH_BUFFER).fill_(tracker)
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The runtime's own trainable parameter tensors, by program name."""
-        return {name: self._buffer(name) for name in self.optimizer.parameters}
+        """The runtime's own trainable parameter tensors, by program name, in torch's
+        layout (views of what the program stores)."""
+        return {
+            name: self._torch_layout(name, self._buffer(name)) for name in self.optimizer.parameters
+        }
+
+    def _state_buffer(self, index: int, key: str) -> torch.Tensor:
+        """Optimizer state ``key`` of the ``index``-th trained parameter, in torch's layout
+        (a view of the program's buffer)."""
+        name = self.optimizer.parameters[index]
+        return self._torch_layout(name, self._buffer(self.optimizer.state[index][key]))
 
     def buffers(self) -> dict[str, torch.Tensor]:
         """Current values (copies) of the module's buffers the program updates (batch
@@ -547,6 +660,12 @@ class ProgramOptimizerSession(_State):
             for name in self._buffer_names
             if not name.startswith(PLUGIN_BUFFER_PREFIX)
         }
+
+    def _program_targets(self) -> dict[str, torch.Tensor]:
+        # As the program stores them (a trained convolution weight as HWIO).
+        targets = {name: self._buffer(name) for name in self.optimizer.parameters}
+        targets.update({n: self._buffer(n) for n in self._buffer_names})
+        return targets
 
     def _targets(self) -> dict[str, tuple[str, torch.Tensor]]:
         eager = self.layout.eager_name
@@ -581,7 +700,14 @@ class ProgramOptimizerSession(_State):
                 entry = {}
                 if isinstance(self.optimizer.optimizer, optimizer_pass.Adam):
                     entry["step"] = torch.tensor(steps, dtype=torch.float32)
-                entry.update({key: self._buffer(name).clone() for key, name in names.items()})
+                entry.update(
+                    {
+                        key: self._state_buffer(index, key).clone(
+                            memory_format=torch.contiguous_format
+                        )
+                        for key in names
+                    }
+                )
                 state[index] = entry
         return {"state": state, "param_groups": groups}
 
@@ -614,7 +740,7 @@ class ProgramOptimizerSession(_State):
             problems.append(f"state for parameters {sorted(entries)}, expected 0..{count - 1}")
         steps = set()
         writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for index, names in enumerate(self.optimizer.state):
+        for index in range(len(self.optimizer.state)):
             entry = entries.get(index)
             if entry is None:
                 continue
@@ -622,7 +748,7 @@ class ProgramOptimizerSession(_State):
                 steps.add(float(entry["step"]))
             for key in keys:
                 value = entry.get(key)
-                target = self._buffer(names[key])
+                target = self._state_buffer(index, key)
                 if not isinstance(value, torch.Tensor) or value.shape != target.shape:
                     shape = None if not isinstance(value, torch.Tensor) else tuple(value.shape)
                     problems.append(
@@ -855,6 +981,9 @@ def lower_for_training(
     joint = export_joint(module, inputs)
     names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
     layout = StateLayout.from_program(joint, shared_prefix(names))
+    stored: dict[str, tuple[int, ...]] = {}
+    if options.current.weight_layout == "hwio" and options.current.weight_storage == "filter":
+        joint, stored = filter_storage.store(joint)
     attached = None
     if optimizer is not None:
         joint, attached = optimizer_pass.attach(joint, optimizer, loss_scale)
@@ -869,6 +998,11 @@ def lower_for_training(
         with enabled(lowering_cache=False):
             result = lower(joint, specs, **lower_options)
         unemitted = copy.deepcopy(result.edge)
+    if stored:
+        for edge in (result.edge, unemitted):
+            integration.add_constant_methods(
+                edge, {filter_storage.METHOD: filter_storage.encode(stored)}
+            )
     pte, ptd = _emit(result.edge, external_weights)
     seconds = time.perf_counter() - start
     return TrainingProgram(

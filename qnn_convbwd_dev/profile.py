@@ -230,6 +230,8 @@ class Timings:
     @property
     def per_step_cpu_ms(self) -> list[float]:
         """Every CPU op's milliseconds summed, step by step."""
+        if not self.cpu_ops:  # every op delegated: no CPU time in any step
+            return [0.0] * len(self.per_step_execute_ms)
         return [sum(step) for step in zip(*(op.per_step_ms for op in self.cpu_ops))]
 
 

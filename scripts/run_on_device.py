@@ -14,6 +14,18 @@ autograd and the HTP vs CPU latency.
 
 Exit codes: 0 success, 1 device run failed or outputs off, 2 a prerequisite is missing.
 A dry run needs none of them: it prints the plan, marks what is missing and exits 0.
+
+``train`` trains a ``qnn-convbwd finetune --out RUN`` folder's train.pte (its optimizer
+inside the program) on the device, one batch of --data per step, through a runner
+with the command-line contract of ``qnn_convbwd.device_train`` (executorch 1.5.1
+ships none that fits), and pulls back the trained weights, the program's state and
+the losses:
+
+    python scripts/run_on_device.py train --run RUN --data DATA --steps 100 \
+        --runner ./qnn_train_runner --out device_train
+
+Exit codes: 0 success, 1 the device run failed or wrote malformed outputs, 2 a
+missing or unreadable artifact or prerequisite (nothing pushed or written then).
 """
 
 from __future__ import annotations
@@ -67,7 +79,104 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def parse_train_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="run_on_device.py train",
+        description="Train a finetune run's train.pte on a device and pull the weights back.",
+    )
+    parser.add_argument("--run", type=Path, required=True, help="a finetune --out folder")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        required=True,
+        help="training data as finetune --data reads it (a folder of class folders, or a "
+        ".pt/.npz file with x and y); normalised as the run's report.json says",
+    )
+    parser.add_argument("--steps", type=int, help="training steps (default: one pass)")
+    parser.add_argument(
+        "--runner", type=Path, required=True, help="the device-side training runner binary"
+    )
+    parser.add_argument(
+        "--qnn-sdk",
+        default=os.environ.get("QNN_SDK_ROOT"),
+        help="QAIRT SDK whose device libraries are pushed when train.pte has QNN delegates",
+    )
+    parser.add_argument(
+        "--backend-lib", type=Path, help="libqnn_executorch_backend.so, pushed when given"
+    )
+    parser.add_argument("--adb", help="adb executable (default: adb on PATH)")
+    parser.add_argument("-s", "--serial", help="device serial (adb -s)")
+    parser.add_argument("-H", "--adb-host", help="adb server host (adb -H)")
+    parser.add_argument(
+        "--workspace", default=device.DEFAULT_WORKSPACE + "_train", help="device directory"
+    )
+    parser.add_argument("--out", type=Path, default=Path("device_train"), help="host folder")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    return parser.parse_args(argv)
+
+
+def train(argv: list[str]) -> int:
+    from qnn_convbwd import device_train, finetune_data
+
+    args = parse_train_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        run = device_train.load_run(args.run)
+        data = device_train.batches(run, args.data, args.steps)
+        if not args.runner.is_file():
+            raise device.SetupError(f"--runner {args.runner}: no such file")
+        libraries = [args.backend_lib] if args.backend_lib else []
+        if run.delegates:
+            arch = device.soc_arch(run.report["soc"])
+            libraries = device.device_libraries(device.resolve_sdk(args.qnn_sdk, arch), arch)
+            libraries += [args.backend_lib] if args.backend_lib else []
+        for library in libraries:
+            if not library.is_file():
+                raise device.SetupError(f"{library}: no such file")
+        plan = device_train.Plan(
+            run,
+            args.runner,
+            args.out,
+            len(data),
+            args.workspace,
+            device.resolve_adb(args.adb),
+            args.serial,
+            args.adb_host,
+            tuple(libraries),
+        )
+    except (
+        device_train.ArtifactError,
+        finetune_data.DataError,
+        device.SetupError,
+    ) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    device_train.write_inputs(plan, data)
+    print(
+        f"training {run.pte} on the device: {plan.steps} steps of batch "
+        f"{len(data[0][1])}, {run.report['optimizer']['name']} in the program"
+    )
+    try:
+        device_train.execute(plan)
+        results = device_train.read_results(plan)
+    except device.DeviceError as err:
+        print(f"error: device run failed: {err}", file=sys.stderr)
+        return 1
+    written = device_train.save_results(
+        results, args.out, {"steps": plan.steps, "run": str(args.run), "data": str(args.data)}
+    )
+    print(f"losses: first {results.losses[0]:.6f}, last {results.losses[-1]:.6f}")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        return train(argv[1:])
     args = parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,

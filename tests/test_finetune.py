@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from qnn_convbwd import cli, finetune
+from qnn_convbwd import cli, finetune, training
 from qnn_convbwd.torchvision_import import TorchvisionUnavailable
 
 
@@ -246,3 +246,88 @@ def test_cifar_example_learns_digits_in_train_mode_like_torch(qnn_sdk):
     final = result.evaluations[-1]
     assert final.program_accuracy >= 0.70, result.evaluations
     assert abs(final.program_accuracy - final.torch_accuracy) <= 0.03, result.evaluations
+
+
+# --- the optimizer inside the program ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def adamw_runs(digits8):
+    """Four AdamW steps straight (with the torch copy, a cosine schedule, checkpoints
+    every two steps), and the same run resumed from its checkpoint after step 2."""
+    run = dict(
+        batch=8,
+        steps=4,
+        lr=0.01,
+        weight_decay=0.05,
+        optimizer="adamw",
+        lr_schedule="cosine",
+        cpu_only=True,
+        checkpoint_every=2,
+    )
+    checkpoints: list[dict] = []
+    straight = finetune.fit(
+        small_net(), digits8.train, digits8.test, on_checkpoint=checkpoints.append, **run
+    )
+    (checkpoint,) = checkpoints
+    resumed = finetune.fit(small_net(), digits8.train, digits8.test, resume=checkpoint, **run)
+    return straight, checkpoint, resumed
+
+
+def test_fit_with_adamw_in_the_program_tracks_torch_adamw(adamw_runs):
+    """``optimizer="adamw"``: the program applies AdamW itself, the torch copy steps with
+    ``torch.optim.AdamW`` of the same settings, both at the scheduled rates."""
+    straight, _, _ = adamw_runs
+    assert straight.optimizer == {
+        "name": "adamw",
+        "lr": 0.01,
+        "betas": [0.9, 0.999],
+        "eps": 1e-8,
+        "weight_decay": 0.05,
+    }
+    assert straight.program.optimizer.optimizer == training.AdamW(0.01, weight_decay=0.05)
+    for index, step in enumerate(straight.steps):
+        assert abs(step.program_loss - step.torch_loss) <= 1e-4, (index, step)
+    # The convolution biases in front of batch norms get a gradient that is zero up to
+    # rounding, which Adam turns into a step of +-lr by its sign; they, and the running
+    # means they shift, are left out.
+    skip = {"0.bias", "3.bias", "1.running_mean", "4.running_mean"}
+    for name, theirs in straight.torch_state.items():
+        if name not in skip and theirs.dtype.is_floating_point:
+            torch.testing.assert_close(
+                straight.program_state[name], theirs, rtol=1e-4, atol=1e-4, msg=name
+            )
+
+
+def test_fit_resumes_adamw_from_its_checkpoint_to_the_bit(adamw_runs):
+    """The checkpoint holds every tensor the program keeps (AdamW's moments, its step
+    count, the learning rate, the running statistics): the resumed run's remaining
+    losses and final tensors equal the uninterrupted run's bit for bit."""
+    from qnn_convbwd.passes import optimizer as optimizer_pass
+
+    straight, checkpoint, resumed = adamw_runs
+    state = checkpoint["program_state"]
+    assert float(state[optimizer_pass.STEP_BUFFER]) == 2.0
+    assert float(state[optimizer_pass.LR_BUFFER]) == 0.01 * finetune.lr_factor("cosine", 1, 4)
+    moments = [n for n in state if n.endswith("_exp_avg_sq")]
+    assert moments and all(float(state[n].abs().sum()) > 0 for n in moments)
+    groups = checkpoint["program_optimizer"]["param_groups"]
+    assert groups[0]["betas"] == (0.9, 0.999) and groups[0]["weight_decay"] == 0.05
+    assert [s.program_loss for s in resumed.steps] == [s.program_loss for s in straight.steps]
+    assert [s.torch_loss for s in resumed.steps] == [s.torch_loss for s in straight.steps]
+    assert set(resumed.program_final) == set(straight.program_final)
+    for name, value in straight.program_final.items():
+        assert torch.equal(resumed.program_final[name], value), name
+    # A checkpoint of another optimizer is refused.
+    with pytest.raises(ValueError, match="optimizer"):
+        finetune.fit(small_net(), (torch.zeros(8, 3, 8, 8), torch.zeros(8, dtype=torch.int64)),
+                     None, batch=8, steps=4, optimizer="sgd", resume=checkpoint)  # fmt: skip
+
+
+def test_program_optimizer_choices():
+    assert finetune.program_optimizer("sgd", 0.1, 0.9, None) == training.SGD(0.1, momentum=0.9)
+    assert finetune.program_optimizer("adamw", 0.1) == training.AdamW(0.1, weight_decay=0.01)
+    with pytest.raises(ValueError, match="momentum 0.9 is SGD's"):
+        finetune.program_optimizer("adamw", 0.1, 0.9)
+    with pytest.raises(ValueError, match="one of sgd, adamw"):
+        finetune.program_optimizer("adam", 0.1)

@@ -26,6 +26,7 @@ from torch import nn
 
 from qnn_convbwd import cli, finetune, finetune_data, training
 from qnn_convbwd.commands import finetune_cli
+from qnn_convbwd.passes import filter_storage
 
 HERE = Path(__file__).resolve().parent
 MODEL = "test_finetune_tool:small_model"
@@ -207,6 +208,12 @@ def test_run_writes_its_outputs(finished, folders):
     assert report["steps"] == STEPS and len(report["losses"]) == STEPS
     assert report["classes"] == ["0", "1", "2", "3"]
     assert report["args"]["lr_schedule"] == "cosine"
+    # The optimizer the program applied (the default: SGD with momentum 0.9).
+    assert report["optimizer"] == {
+        "name": "sgd", "lr": 0.05, "momentum": 0.9, "dampening": 0.0, "weight_decay": 0.0,
+        "nesterov": False,
+    }  # fmt: skip
+    assert report["program_optimizer"]["kind"] == "SGD"
     assert len(report["normalize"]["mean"]) == 3 and len(report["normalize"]["std"]) == 3
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
     # The progress lines: step, loss, accuracy and the time left.
@@ -231,22 +238,37 @@ def test_model_pt_gives_the_reported_accuracy(finished, folders):
     assert max(gaps) < 1e-4, gaps
 
 
+def _train_pte_session(out: Path, report: dict) -> training.ProgramOptimizerSession:
+    """A session on train.pte alone (no layout given), its optimizer read from the report."""
+    optimizer = training.ProgramOptimizer.from_dict(report["program_optimizer"])
+    return training.ProgramOptimizerSession((out / "train.pte").read_bytes(), optimizer)
+
+
 def test_train_pte_starts_from_the_trained_weights(finished, folders):
-    """A session on train.pte alone (no layout given) holds model.pt's values under the
-    module's names, and its first step computes the eager model's loss with the masks
-    of the program's next dropout step."""
+    """A session on train.pte holds model.pt's values under the module's names, the
+    optimizer's momentum as the last checkpoint's run went on to hold it, the base
+    learning rate, and its first step computes the eager model's loss with the masks of
+    the program's next dropout step."""
     from qnn_convbwd.passes import dropout
+    from qnn_convbwd.passes import optimizer as optimizer_pass
 
     out, _ = finished
     report = json.loads((out / "report.json").read_text())
     trained = torch.load(out / "model.pt")
-    session = training.TrainingSession((out / "train.pte").read_bytes(), 0.05)
+    session = _train_pte_session(out, report)
     try:
         program = session.state_dict()
         assert set(program) == set(trained)
         for name, value in trained.items():
             assert torch.equal(program[name], value), name
-        assert int(session.program_state()["qnn_convbwd_dropout_step"]) == STEPS
+        kept = session.program_state()
+        assert int(kept["qnn_convbwd_dropout_step"]) == STEPS
+        assert float(kept[optimizer_pass.STEP_BUFFER]) == STEPS
+        assert session.lr == 0.05  # the base rate, not the schedule's last
+        momentum = session.optimizer_state_dict()["state"]
+        assert momentum and all(
+            float(m["momentum_buffer"].abs().sum()) > 0 for m in momentum.values()
+        )
         net = small_model(num_classes=4)
         net.load_state_dict(trained)
         x, y = _val(folders, report)
@@ -257,6 +279,35 @@ def test_train_pte_starts_from_the_trained_weights(finished, folders):
         with torch.no_grad(), dropout.ProgramMasks(sites, STEPS):
             eager = float(loss(net.train()(x), y))
         assert session.step([x, y]) == pytest.approx(eager, rel=1e-5)
+    finally:
+        session.close()
+
+
+def test_train_pte_alone_trains_in_executorchs_runtime(finished, folders):
+    """``executorch.runtime`` with no optimizer code: each ``forward([x, y])`` of
+    train.pte is one training step; its losses change from step to step and equal a
+    ProgramOptimizerSession's on the same program, bit for bit."""
+    from executorch.runtime import Runtime
+
+    out, _ = finished
+    report = json.loads((out / "report.json").read_text())
+    x, y = _val(folders, report)
+    batches = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, 3 * BATCH, BATCH)]
+    pte = (out / "train.pte").read_bytes()
+    method = Runtime.get().load_program(pte).load_method("forward")
+    losses = [float(method.execute([bx, by])[0]) for bx, by in batches]
+    session = _train_pte_session(out, report)
+    try:
+        expected = [session.step([bx, by]) for bx, by in batches]
+    finally:
+        session.close()
+    assert losses == expected
+    assert len(set(losses)) == len(losses)
+    # A batch of another size is refused before the runtime sees it.
+    session = _train_pte_session(out, report)
+    try:
+        with pytest.raises(ValueError, match=r"input 0: shape \(5, 3, 8, 8\), the program takes"):
+            session.step([x[: BATCH + 1], y[: BATCH + 1]])
     finally:
         session.close()
 
@@ -279,9 +330,27 @@ def test_infer_pte_predicts_as_the_eager_model(finished, folders):
 
 
 def test_checkpoint_holds_the_momentum_and_the_scheduled_rate(finished):
+    """The in-program SGD's state, in torch.optim's format and as the program's own
+    buffers (which a resume loads)."""
+    from qnn_convbwd.passes import optimizer as optimizer_pass
+
     out, _ = finished
     state = torch.load(out / finetune.CHECKPOINT_FILE, weights_only=True)
     step = state["step"]
+    kept = state["program_state"]
+    assert float(kept[optimizer_pass.STEP_BUFFER]) == step
+    assert float(kept[optimizer_pass.LR_BUFFER]) == 0.05 * finetune.lr_factor(
+        "cosine", step - 1, STEPS
+    )
+    # The program keeps a trained convolution weight's state in the weight's stored
+    # layout (HWIO); torch.optim's format has torch's.
+    names = json.loads((out / "report.json").read_text())["program_optimizer"]["parameters"]
+    stored = training.stored_layouts((out / "train.pte").read_bytes())
+    assert stored  # the small model's convolution weights
+    for index, entry in state["program_optimizer"]["state"].items():
+        buffer = kept[f"{optimizer_pass.PREFIX}{index}_momentum_buffer"]
+        buffer = filter_storage.torch_view(buffer, stored.get(names[int(index)]))
+        assert torch.equal(entry["momentum_buffer"], buffer)
     assert step == STEPS - 10  # every 10 steps, the last one before the end
     momentum = state["program_optimizer"]["state"]
     assert len(momentum) == len(state["program_optimizer"]["param_groups"][0]["params"])
@@ -420,9 +489,23 @@ def test_a_size_the_model_cannot_take(tmp_path, capsys):
     assert "--size 16: CIFAR10Model cannot take 16x16 images" in err
 
 
+def test_momentum_with_adamw_is_refused(tmp_path, capsys):
+    data = make_folder(tmp_path / "d", 4, classes=2)
+    argv = _args(data, tmp_path / "o", "--optimizer", "adamw", "--momentum", "0.9")
+    err = _refused(argv, capsys, tmp_path / "o")
+    assert "--momentum is SGD's: --optimizer adamw takes none" in err
+
+
 def test_resume_without_a_checkpoint(tmp_path, capsys):
     err = _refused(["finetune", "--resume", str(tmp_path)], capsys)
     assert f"--resume {tmp_path}: no {finetune.CHECKPOINT_FILE} there" in err
+
+
+def test_a_checkpoint_of_another_format_is_refused(tmp_path, capsys):
+    torch.save({"format": "qnn-convbwd finetune checkpoint 1"}, tmp_path / finetune.CHECKPOINT_FILE)
+    err = _refused(["finetune", "--resume", str(tmp_path)], capsys)
+    assert "a checkpoint of format 'qnn-convbwd finetune checkpoint 1'" in err
+    assert repr(finetune.CHECKPOINT_FORMAT) in err
 
 
 def test_prepare_reports_the_replaced_classifier(tmp_path):

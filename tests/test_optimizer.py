@@ -346,15 +346,20 @@ def test_adam_follows_torch(qnn_sdk):
 
 def test_adamw_on_the_htp_follows_torch(qnn_sdk):
     """The demo network (adapter + plain, strided and depthwise convolutions, MSE), all
-    trainable, lowered for SM8650: one delegate computes the forward and the backward,
-    the AdamW update runs on CPU, and every step's loss stays within the train-mode
-    bound of torch fp32 + torch.optim.AdamW."""
+    trainable, lowered for SM8650 with a dynamic loss scale: one delegate computes the
+    forward and the backward (the scaled seed comes from the scale buffer alone), the
+    AdamW update runs on CPU, no step overflows at the default scale, and every step's
+    loss stays within the train-mode bound of torch fp32 + torch.optim.AdamW."""
     from qnn_convbwd.commands import models
 
     _, model, (x, target) = models.reference_model("demo", trainable_backbone=True)
     optimizer = training.AdamW(0.01)
     program = training.lower_for_training(
-        copy.deepcopy(model), (x, target), harness.compile_specs("SM8650"), optimizer=optimizer
+        copy.deepcopy(model),
+        (x, target),
+        harness.compile_specs("SM8650"),
+        optimizer=optimizer,
+        loss_scale=training.DynamicLossScale(),
     )
     assert harness.delegate_count(program.edge) == 1
     # Every convolution_backward on the HTP; the update's ops on CPU.
@@ -370,4 +375,5 @@ def test_adamw_on_the_htp_follows_torch(qnn_sdk):
         expected.backward()
         torch_optimizer.step()
         assert abs(loss - expected.item()) <= 3e-2 * max(1.0, abs(expected.item()))
+    assert session.loss_scale == 2.0**16  # no step skipped
     session.close()

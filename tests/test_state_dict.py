@@ -116,6 +116,11 @@ def test_fresh_state_is_the_eager_models_and_loads_strictly(cpu_program):
     }
     eager = FrozenStemConvBn()
     eager.load_state_dict(state, strict=True)
+    x, y = _batches(1)[0]
+    with pytest.raises(ValueError, match="1 inputs given, the program takes 2"):
+        session.step([x])
+    with pytest.raises(ValueError, match=r"input 1: shape \(3,\), the program takes \(4,\)"):
+        session.step([x, y[:3]])
     session.close()
 
 
@@ -166,6 +171,61 @@ def _resume_matches_straight_run(program: training.TrainingProgram, **sgd) -> No
 
 def test_cpu_resume_equals_a_straight_run(cpu_program):
     _resume_matches_straight_run(cpu_program)
+
+
+def _program_state_round_trip(program: training.TrainingProgram, session_of) -> None:
+    """Two steps, ``program_state()`` into a new session, two more steps: every tensor the
+    program keeps equals four steps straight, to the bit; ``load_program_state`` refuses
+    a state without one of its tensors and writes nothing then."""
+    batches = _batches(4)
+    straight = session_of(program)
+    for batch in batches:
+        straight.step(batch)
+    first = session_of(program)
+    for batch in batches[:2]:
+        first.step(batch)
+    saved = first.program_state()
+    first.close()
+    # The buffers the .pte lists (with an in-program optimizer: every tensor it keeps).
+    assert set(training.program_buffers(program.pte)) <= set(saved)
+    resumed = session_of(program)
+    fresh = resumed.program_state()
+    partial = {k: v for k, v in saved.items() if k != "net.b1.running_mean"}
+    with pytest.raises(training.StateDictError, match=r"missing \['net.b1.running_mean'\]"):
+        resumed.load_program_state(partial)
+    assert all(torch.equal(resumed.program_state()[k], v) for k, v in fresh.items())
+    resumed.load_program_state(saved)
+    for batch in batches[2:]:
+        resumed.step(batch)
+    ours, theirs = resumed.program_state(), straight.program_state()
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], v) for k, v in theirs.items()), [
+        k for k, v in theirs.items() if not torch.equal(ours[k], v)
+    ]
+    straight.close()
+    resumed.close()
+
+
+def test_program_state_resumes_executorchs_sgd_to_the_bit(cpu_program):
+    _program_state_round_trip(cpu_program, lambda program: program.session(LR))
+
+
+def test_program_state_resumes_an_in_program_optimizer_to_the_bit(qnn_sdk):
+    """With SGD inside the program the state holds its momentum, step count and learning
+    rate too."""
+    module = training.WithLoss(_model(), nn.functional.cross_entropy)
+    program = training.lower_for_training(
+        module,
+        _batches(1)[0],
+        harness.compile_specs("SM8350"),
+        optimizer=training.SGD(LR, momentum=0.9),
+    )
+    _program_state_round_trip(program, lambda program: program.session())
+    session = program.session()
+    assert set(session.program_state()) == set(training.program_buffers(program.pte))
+    assert "qnn_convbwd_optim_0_momentum_buffer" in session.program_state()
+    assert session.layout.prefix == "net."
+    session.close()
 
 
 def test_htp_resume_equals_a_straight_run(htp_program):

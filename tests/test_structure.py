@@ -322,7 +322,8 @@ LAYERS = (
     {"api"},
     {"training", "qnn_convbwd"},
     {"finetune"},
-    {"commands", "cli"},
+    # device_train: a finetune run's train.pte trained on a device (scripts/run_on_device.py).
+    {"commands", "cli", "device_train"},
 )
 
 

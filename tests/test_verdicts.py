@@ -519,6 +519,26 @@ def test_executorchs_verdict_stands_when_no_rule_refuses(ops_program):
         assert not judge.judge(relu, context, lambda **_: False, log=False).supported
 
 
+def test_op_validation_names_the_quantization_of_a_quantized_node():
+    """A float op reading a quantized tensor (what QNN refused before
+    passes.quant_boundary's copy: Reshape UFIXED_POINT_8 -> FLOAT_32) is reported with
+    its operand's quantization; a float op with the SoC alone."""
+    import copy
+
+    program = copy.deepcopy(_ops_program())
+    key = integration.get("QCOM_QUANT_ATTRS")
+    with qnn_convbwd.enabled():
+        tanh = _first(program, _of("aten.tanh.default"))
+        context = _ctx(program)
+        assert judge.backend_validation(tanh, context).values == SOC
+        (operand,) = tanh.all_input_nodes
+        operand.meta[key] = {"dtype": torch.uint8, "scale": 0.0125, "zero_point": 128}
+        rejection = judge.backend_validation(tanh, context)
+    assert rejection.values == (
+        f"{SOC}; quantized: input {operand.name} uint8 scale=0.0125 zero_point=128"
+    )
+
+
 def test_forward_pool_with_a_delegated_backward_passes_its_rules():
     """The same pool that ``indices_users_delegated`` refuses with its backward on CPU
     is delegated when the backward is: the rule looks at the backward's verdict."""

@@ -17,7 +17,7 @@ import operator
 
 import torch
 
-from .. import integration, nodes
+from .. import integration, nodes, signature
 from ..meta import GRAD_VIEW, WEIGHT_VIEW
 
 TARGET = "aten.permute_copy.default"
@@ -68,8 +68,20 @@ def _folded(node: torch.fx.Node) -> bool:
     return False
 
 
+def _top_level(program) -> bool:
+    """``program`` is the whole training program (the partitioner validating ops), not a
+    delegate's: a trainable parameter is still one of its placeholders. (A weight the
+    program stores in the filter layout, ``passes.filter_storage``, has no CPU permute
+    in front of its views, so there they look folded and are built for validation.)"""
+    return any(
+        signature.is_trainable_parameter(n, program)
+        for n in program.graph.nodes
+        if n.op == "placeholder"
+    )
+
+
 def define_permute(original, visitor, node: torch.fx.Node, nodes_to_wrappers):
     """``integration.Hooks.visitor_wraps`` for executorch's permute visitor."""
-    if _folded(node):
+    if _folded(node) and not _top_level(visitor.edge_program):
         return None
     return original()

@@ -4,9 +4,10 @@ through a lowered training program, next to torch.
 Reads the data (``finetune_data``: an ImageFolder or a tensor file, held-out data
 from ``--val`` or ``--val-split``), builds the model (``--arch``, or ``--model
 module:function``; ``--weights`` loaded strictly), checks all of it before writing
-anything, lowers the joint training graph for the SoC and trains it in ``train()``
-through ExecuTorch's runtime, with torch eager on the same batches unless
-``--no-torch`` (``finetune.fit``). With ``--out`` it saves a checkpoint every
+anything, lowers the joint training graph for the SoC with the optimizer (``--optimizer
+sgd|adamw``) inside it and trains it in ``train()`` through ExecuTorch's runtime, one
+program call per step, with torch eager and the same ``torch.optim`` optimizer on the
+same batches unless ``--no-torch`` (``finetune.fit``). With ``--out`` it saves a checkpoint every
 ``--checkpoint-every`` steps, and after the last step the trained ``state_dict``,
 the training program starting from the trained weights, an inference program,
 ``report.json`` and the curves; ``--resume`` continues a killed run.
@@ -89,9 +90,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cosine: down to 0 along half a cosine; step: x0.1 at 1/2 and 3/4 of the steps",
     )
     run.add_argument(
-        "--momentum", type=float, default=DEFAULT_MOMENTUM, help=f"default {DEFAULT_MOMENTUM}"
+        "--optimizer",
+        choices=finetune.OPTIMIZERS,
+        default="sgd",
+        help="applied inside the training program (one program call is one step); the torch "
+        "copy uses the same torch.optim optimizer. Default sgd",
     )
-    run.add_argument("--weight-decay", type=float, default=0.0)
+    run.add_argument(
+        "--momentum",
+        type=float,
+        help=f"SGD's momentum (default {DEFAULT_MOMENTUM}; not for adamw)",
+    )
+    run.add_argument(
+        "--weight-decay",
+        type=float,
+        help="sgd: L2 decay added to the gradient (default 0); adamw: decoupled decay "
+        "(default 0.01, torch's)",
+    )
     run.add_argument("--soc", default="SM8650", help="target SoC (default SM8650, HTP V75)")
     run.add_argument("--seed", type=int, default=0, help="weights, split and batch order")
     run.add_argument(
@@ -199,6 +214,8 @@ def prepare(args: argparse.Namespace) -> Inputs:
     """Read and check everything the run needs; raises ``UsageError`` and friends."""
     if args.size <= 0 or args.batch <= 0:
         raise UsageError("--size and --batch must be positive")
+    if args.optimizer == "adamw" and args.momentum is not None:
+        raise UsageError("--momentum is SGD's: --optimizer adamw takes none")
     train, val, classes, normalize, described = _read_data(args)
     notes = [described]
     if args.model is not None:
@@ -238,7 +255,14 @@ def _load_checkpoint(folder: Path) -> dict:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # truncated or foreign
         raise UsageError(f"{path}: not readable ({type(err).__name__}: {err})") from None
-    if not isinstance(state, dict) or state.get("format") != finetune.CHECKPOINT_FORMAT:
+    kind = state.get("format") if isinstance(state, dict) else None
+    if isinstance(kind, str) and kind.startswith("qnn-convbwd finetune checkpoint"):
+        if kind != finetune.CHECKPOINT_FORMAT:
+            raise UsageError(
+                f"{path}: a checkpoint of format {kind!r}; this version resumes "
+                f"{finetune.CHECKPOINT_FORMAT!r} (start the run again)"
+            )
+    else:
         raise UsageError(f"{path}: not a checkpoint of qnn-convbwd finetune")
     return state
 
@@ -259,6 +283,7 @@ STORED = (
     "eval_every",
     "lr",
     "lr_schedule",
+    "optimizer",
     "momentum",
     "weight_decay",
     "soc",
@@ -433,7 +458,7 @@ def write_outputs(
     out: Path = args.out
     finetune.save_atomic(out / "model.pt", result.program_state)
     start = time.perf_counter()
-    pte, ptd = result.program.emit(result.program_final)
+    pte, ptd = finetune.trained_program(result)
     finetune.write_atomic(out / "train.pte", pte)
     if ptd is not None:
         finetune.write_atomic(out / "train.ptd", ptd)
@@ -458,6 +483,9 @@ def write_outputs(
         },
         "input": [1, 3, args.size, args.size],
         "soc": result.soc,
+        "optimizer": result.optimizer,
+        # What training.ProgramOptimizer.from_dict reads to open train.pte in a session.
+        "program_optimizer": result.program.optimizer.as_dict(),
         "delegates": {"train": result.delegates, "infer": inference.delegates},
         "losses": [s.program_loss for s in result.steps],
         "torch_losses": [s.torch_loss for s in result.steps] if result.torch_reference else None,
@@ -538,12 +566,23 @@ def run(args: argparse.Namespace) -> int:
                 (args.out / name).unlink(missing_ok=True)
         png = png or args.out / "curves.png"
     png = png or Path("out/finetune.png")
+    if args.optimizer == "sgd" and args.momentum is None:
+        args.momentum = DEFAULT_MOMENTUM
+    chosen = finetune.describe_optimizer(
+        finetune.program_optimizer(args.optimizer, args.lr, args.momentum, args.weight_decay)
+    )
+    hyper = ", ".join(
+        f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in chosen.items()
+        if k not in ("name", "lr", "dampening", "nesterov")
+    )
     name = args.model or args.arch
     mode = "eval()" if args.eval_mode else "train()"
     where = "CPU-only program" if args.cpu else f"{args.soc} on the HTP simulator"
     print(
         f"qnn-convbwd finetune: {name}, scheme {args.scheme}, in {mode}, {where}; "
-        f"batch {args.batch}, lr {args.lr:g} ({args.lr_schedule}), momentum {args.momentum:g}"
+        f"batch {args.batch}, {args.optimizer} in the program, lr {args.lr:g} "
+        f"({args.lr_schedule}), {hyper}"
         + ("; no torch copy" if args.no_torch else "")
         + (
             ""
@@ -583,6 +622,7 @@ def run(args: argparse.Namespace) -> int:
             lr=args.lr,
             momentum=args.momentum,
             weight_decay=args.weight_decay,
+            optimizer=args.optimizer,
             seed=args.seed,
             cpu_only=args.cpu,
             train_mode=not args.eval_mode,

@@ -48,7 +48,7 @@ from ..meta import (
     WEIGHT_VIEW,
 )
 from ..nodes import origins
-from ..signature import trained_in_program
+from ..signature import trainable_parameters, trained_in_program
 from . import avg_pool, cpu_kernel, max_pool, support, trainable
 from .target import MIN_HTP_ARCH, Target, below_min_arch
 from .verdict import Decision, Fallback, Rejection, first_rejection, rules, settle
@@ -132,11 +132,18 @@ def skip_options(node, context):
 
 def _is_training_graph(node: torch.fx.Node, context: Context) -> bool:
     """The node's graph holds a backward op the plugin lowers (or a node it lifted for
-    one kept on CPU); remembered per graph for one partitioning."""
+    one kept on CPU), or its program trains parameters (a joint graph whose backward
+    has none of those ops: a float head on a frozen backbone); remembered per graph
+    for one partitioning."""
     key = ("training_graph", id(node.graph))
     if key not in context.memo:
+        program = context.target.edge_program
         context.memo[key] = any(
             _plugin_op(other) or other.meta.get(ON_CPU) for other in node.graph.nodes
+        ) or (
+            program is not None
+            and program.graph is node.graph
+            and bool(trainable_parameters(program))
         )
     return context.memo[key]
 
@@ -147,7 +154,10 @@ def training_graph_below_v69(node, context):
     (the op rules' ``htp_arch_supported``), and delegating its forward ops between them
     fails QAIRT 2.51's context generation for V68 (measured on torchvision resnet18,
     bias-only: "could not create op" for an ``aten.mul.Tensor``): one all-CPU program
-    instead of delegates interleaved with CPU backward ops."""
+    instead of delegates interleaved with CPU backward ops. A joint graph whose
+    backward has none of the plugin's ops fails there as well (measured, SM8350: a float
+    head on a quantized CIFAR backbone, "could not create op" for the loss's
+    ``ScatterElements``)."""
     target = context.target
     if not target.known or target.backend != "htp" or nodes.is_getitem_of(node, nodes.is_conv_bwd):
         return None  # a getitem follows its producer
@@ -416,12 +426,36 @@ def no_visitor(node, context):
     return Rejection("executorch's QNN backend has no visitor for this op", name)
 
 
+def _quantization_attrs(attrs: dict) -> str:
+    """``uint8 scale=0.0035 zero_point=0`` (per tensor) or ``int8 per-channel axis=0``."""
+    dtype = str(attrs.get("dtype", "?")).replace("torch.", "")
+    if "scale" in attrs and not isinstance(attrs["scale"], torch.Tensor):
+        return f"{dtype} scale={float(attrs['scale']):.6g} zero_point={attrs.get('zero_point')}"
+    return f"{dtype} per-channel axis={attrs.get('axis')}"
+
+
+def quantization(node: torch.fx.Node) -> str:
+    """How ``node``'s output and tensor operands are quantized (executorch's
+    ``QCOM_QUANT_ATTRS``), e.g. ``output uint8 scale=0.02 zero_point=128; input
+    getitem_2 uint8 ...``; "" when none is."""
+    key = integration.get("QCOM_QUANT_ATTRS")
+    parts = []
+    for role, tensor in (("output", node), *((f"input {a.name}", a) for a in node.all_input_nodes)):
+        attrs = tensor.meta.get(key)
+        if attrs:
+            parts.append(f"{role} {_quantization_attrs(attrs)}")
+    return "; ".join(parts)
+
+
 @executorch_rule
 def backend_validation(node, context):
-    """Asked only when executorch's check refused the node for none of the reasons above."""
+    """Asked only when executorch's check refused the node for none of the reasons above.
+    A quantized node's values name its quantization (the HTP takes an op's quantized
+    forms only for some dtype combinations)."""
+    quantized = quantization(node)
     return Rejection(
         "rejected by the QNN backend's op validation (or its visitor built no op)",
-        context.target.soc,
+        f"{context.target.soc}; quantized: {quantized}" if quantized else context.target.soc,
     )
 
 

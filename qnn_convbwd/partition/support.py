@@ -26,7 +26,7 @@ import torch
 
 from .. import integration, signature
 from ..geometry import conv as geo
-from ..meta import PINNED, WEIGHT_TO_DEVICE, WEIGHT_VIEW
+from ..meta import DEQUANTIZING_COPY, PINNED, WEIGHT_TO_DEVICE, WEIGHT_VIEW
 from . import target as targets
 from .target import FLOAT_DTYPES, Target
 from .verdict import Decision, Rejection, rules, settle
@@ -159,14 +159,24 @@ def _quantized_by_metadata(node: torch.fx.Node) -> str | None:
     After executorch's AnnotateQuantAttrs and FoldQDQ the Q/DQ nodes of
     activations are gone and their parameters live in ``meta[QCOM_QUANT_ATTRS]``
     of the producer (and of the node whose output was quantized). A quantized
-    parameter keeps its dequantize (marked bypass); the attributes sit on the
-    parameter behind it.
+    parameter keeps its dequantize (marked bypass), and a quantized activation read
+    as float is read through a dequantizing copy (``passes.quant_boundary``); the
+    attributes sit on the tensor behind either.
     """
     key = integration.get("QCOM_QUANT_ATTRS")
-    weight = _weight_node(node)
-    candidates = [("grad_output", node.args[geo.GRAD_OUTPUT]), ("weight", weight)]
-    if _is_dequantize(weight) and isinstance(weight.args[0], torch.fx.Node):
-        candidates.append(("weight", weight.args[0]))
+    candidates = []
+    for role, operand in (
+        ("grad_output", node.args[geo.GRAD_OUTPUT]),
+        ("weight", _weight_node(node)),
+    ):
+        candidates.append((role, operand))
+        # A quantized weight keeps its dequantize; a quantized activation reaches a
+        # float reader through passes.quant_boundary's copy. The attributes sit on the
+        # tensor before either.
+        if (_is_dequantize(operand) or operand.meta.get(DEQUANTIZING_COPY)) and isinstance(
+            operand.args[0], torch.fx.Node
+        ):
+            candidates.append((role, operand.args[0]))
     candidates.append(("output", node))
     for role, operand in candidates:
         if operand.meta.get(key):

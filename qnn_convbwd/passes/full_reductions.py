@@ -46,6 +46,8 @@ def _call(graph, op, args, kwargs, like: torch.fx.Node, suffix: str) -> torch.fx
     values = torch.fx.node.map_arg(tuple(args), lambda a: a.meta["val"])
     with _fake_mode(like):
         node.meta["val"] = op(*values, **kwargs)
+    if "custom" in like.meta:  # the tags other passes and rules read (an optimizer's)
+        node.meta["custom"] = dict(like.meta["custom"])
     return node
 
 

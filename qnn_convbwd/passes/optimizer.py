@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import logging
 import math
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -214,6 +215,45 @@ class ProgramOptimizer:
     loss_scale: DynamicLossScale | None
     parameters: tuple[str, ...]
     state: tuple[dict[str, str], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-able description (``from_dict`` reads it back): the optimizer's kind,
+        learning rate and baked-in hyper-parameters, the loss scale's settings and the
+        names of the program's buffers. A program's ``.pte`` plus this is what a session
+        (``training.ProgramOptimizerSession``) needs to load it."""
+        settings = dataclasses.asdict(self.optimizer)
+        if "betas" in settings:
+            settings["betas"] = list(settings["betas"])
+        return {
+            "kind": type(self.optimizer).__name__,
+            **settings,
+            "loss_scale": None if self.loss_scale is None else dataclasses.asdict(self.loss_scale),
+            "parameters": list(self.parameters),
+            "state": [dict(names) for names in self.state],
+        }
+
+    @classmethod
+    def from_dict(cls, description: Mapping[str, Any]) -> ProgramOptimizer:
+        """The ``ProgramOptimizer`` that ``as_dict`` described; ``OptimizerError`` names
+        what does not fit."""
+        kinds = {"SGD": SGD, "Adam": Adam, "AdamW": AdamW}
+        try:
+            kind = kinds[description["kind"]]
+            fields = {f.name for f in dataclasses.fields(kind)}
+            settings = {k: v for k, v in description.items() if k in fields}
+            if "betas" in settings:
+                settings["betas"] = tuple(settings["betas"])
+            scale = description.get("loss_scale")
+            return cls(
+                kind(**settings),
+                None if scale is None else DynamicLossScale(**scale),
+                tuple(description["parameters"]),
+                tuple(dict(names) for names in description["state"]),
+            )
+        except (KeyError, TypeError) as err:
+            raise OptimizerError(
+                f"not a description of an in-program optimizer ({type(err).__name__}: {err})"
+            ) from None
 
     @property
     def buffers(self) -> tuple[str, ...]:
@@ -553,10 +593,17 @@ def _scale_loss(
         min(users, key=order.__getitem__) if users else rewrite.output,
     )
     seeded.role = b.role = SCALE_BUFFER
-    # The seed times the scale, on CPU: the scale reaches the delegate as an input.
-    scaled_seed = seeded(aten.mul.Tensor, seed, seeded(aten.sum.default, scale))
+    # The seed times the scale, on CPU: the scale reaches the delegate as an input. A
+    # 0-d seed (a reduced loss) is the scale itself, read from the buffer alone: not
+    # from the loss, so the CPU ops on the seed need nothing from the forward, and the
+    # forward and the backward stay one delegate.
+    scaled_seed = seeded(aten.sum.default, scale)
+    if tuple(seed.meta["val"].shape) != ():
+        scaled_seed = seeded(aten.mul.Tensor, seed, scaled_seed)
     for user in users:
         user.replace_input_with(seed, scaled_seed)
+    if not seed.users:
+        rewrite.graph.erase_node(seed)
 
     # GradScaler.unscale_: inv = 1 / scale in float64, cast to float32; a gradient is
     # non-finite before it is unscaled.

@@ -36,7 +36,14 @@ import torch
 
 from .. import integration, nodes, signature
 from ..geometry import conv as geo
-from ..meta import GRAD_TO_TORCH, GRAD_VIEW, UNSCALE, WEIGHT_TO_DEVICE, WEIGHT_VIEW
+from ..meta import (
+    GRAD_TO_TORCH,
+    GRAD_VIEW,
+    STORED_FILTER,
+    UNSCALE,
+    WEIGHT_TO_DEVICE,
+    WEIGHT_VIEW,
+)
 from .gated import OptionGatedPass
 
 logger = logging.getLogger(__name__)
@@ -94,12 +101,30 @@ def _weight_gradients(graph: torch.fx.Graph, edge_program) -> dict[str, torch.fx
     return found
 
 
+def _mark_stored_views(graph: torch.fx.Graph) -> int:
+    """Make the permutes ``passes.filter_storage`` put between a weight the program
+    stores in the filter layout and its convolutions (and of its gradient back to the
+    filter layout) the views the visitors fold; return how many weights."""
+    permute = integration.get("ops").edge.aten.permute_copy.default
+    weights = set()
+    for node in graph.nodes:
+        tag = node.meta.get("custom", {}).get(STORED_FILTER)
+        if not tag or not nodes.is_call(node, permute):
+            continue
+        if "weight" in tag and node.args[0].op == "placeholder":
+            node.meta[WEIGHT_VIEW] = node.args[0].name
+            weights.add(tag["weight"])
+        elif "gradient" in tag and nodes.is_getitem_of(node.args[0], nodes.is_conv_bwd):
+            node.meta[GRAD_VIEW] = tag["gradient"]
+    return len(weights)
+
+
 def move_weight_layouts(graph_module: torch.fx.GraphModule, edge_program) -> int:
     """Rewrite in place; return how many weights now enter the delegate as ``HWIO``."""
     graph = graph_module.graph
     order = {node: i for i, node in enumerate(graph.nodes)}
     gradients = _weight_gradients(graph, edge_program)
-    moved = 0
+    moved = _mark_stored_views(graph)
     for weight in [n for n in graph.nodes if n.op == "placeholder"]:
         if not signature.is_trainable_parameter(weight, edge_program):
             continue

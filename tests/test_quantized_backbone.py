@@ -1,0 +1,157 @@
+"""A pt2e-quantized frozen backbone (8a8w, per-channel weights) under a float head that
+trains, lowered for training (docs/quantized.md).
+
+ExecuTorch's CIFAR model: ``features`` calibrated and converted with executorch's
+``QnnQuantizer``, ``classifier`` left float and trainable
+(``qnn_convbwd_dev.quantized_backbone``). On SM8650 the quantized
+convolutions, the float head with its backward and the loss are one delegate: the
+head reads the backbone's uint8 output through a dequantizing copy
+(``passes.quant_boundary``, QNN's Dequantize). The reference is torch running the
+same converted backbone in fp32 (its quantize / dequantize pairs computed eagerly)
+under the head, trained by ``torch.optim.SGD``.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from qnn_convbwd_dev import quantized_backbone as qb
+
+STEPS = 3
+LR = 0.05
+
+
+@functools.cache
+def _lowered(soc: str):
+    """(model as lowered, the program, the QNN graphs built) for ``soc``."""
+    from qnn_convbwd import integration, training
+    from qnn_convbwd.toolchain import harness
+
+    model = qb.quantized_cifar("8a8w", "split")
+    with integration.capture_qnn_graphs() as graphs:
+        program = training.lower_for_training(
+            training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+            qb.batches(1)[0],
+            harness.compile_specs(soc),
+        )
+    return model, program, [list(g) for g in graphs]
+
+
+def _assert_losses_follow_torch(model, program) -> None:
+    """Each step's loss within 3e-2 * max(1, |loss|) of torch's."""
+    steps = qb.train_both(model, program, qb.batches(STEPS + 1)[1:], LR)
+    for step, (ours, theirs, _) in enumerate(steps):
+        bound = 3e-2 * max(1.0, abs(theirs))
+        assert abs(ours - theirs) <= bound, f"step {step}: {ours} vs torch {theirs} (> {bound})"
+
+
+@pytest.mark.htp
+def test_quantized_backbone_and_float_head_are_one_delegate(qnn_sdk):
+    from qnn_convbwd.toolchain import harness
+
+    model, program, graphs = _lowered("SM8650")
+    assert program.report.on_cpu == [], program.report.on_cpu_markdown()
+    assert harness.delegate_count(program.edge) == 1
+    (ops,) = graphs
+    kinds = collections.Counter(op.op_type for op in ops)
+    # The backbone's three convolutions, the head's matmuls (forward and backward), the
+    # input's quantize and the one dequantize where the head reads the backbone.
+    assert kinds["Conv2d"] == 3 and kinds["MatMul"] >= 4, kinds
+    assert kinds["Quantize"] == 1 and kinds["Dequantize"] == 1, kinds
+
+
+@pytest.mark.htp
+def test_backbone_weights_are_stored_once_as_int8(qnn_sdk):
+    from torch.export.graph_signature import InputKind
+
+    from qnn_convbwd.toolchain import harness
+
+    model, program, graphs = _lowered("SM8650")
+    (ops,) = graphs
+    weights = qb.int8_weights(model)
+    assert len(weights) == 3
+    convs = [op for op in ops if op.op_type == "Conv2d"]
+    static_reads = collections.Counter(t.name for op in ops for t in op.inputs if t.is_static)
+    stored = sorted(
+        (math.prod(op.inputs[1].dims), op.inputs[1].nbytes)
+        for op in convs
+        if op.inputs[1].is_static and static_reads[op.inputs[1].name] == 1
+    )
+    # One byte an element, each read by its convolution alone.
+    assert stored == sorted((w.numel(), w.numel()) for w in weights.values()), stored
+
+    # No copy outside the delegate: the program's own inputs are the head's parameters.
+    ep = program.edge.exported_program()
+    kept = {
+        s.target
+        for s in ep.graph_signature.input_specs
+        if s.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    }
+    head = {f"net.classifier.{name}" for name, _ in model.classifier.named_parameters()}
+    assert kept == head, kept
+    trainable_bytes = sum(p.numel() * 4 for p in model.classifier.parameters())
+    float_backbone_bytes = sum(w.numel() * 4 for w in weights.values())
+    context_bytes = sum(len(b) for b in harness.context_binaries(program.edge))
+    overhead = len(program.pte) - trainable_bytes - context_bytes
+    assert overhead < float_backbone_bytes, (
+        f".pte holds {overhead} bytes beside the head and the context: a float copy of "
+        f"the backbone ({float_backbone_bytes} bytes) would fit"
+    )
+
+
+@pytest.mark.htp
+def test_three_sgd_steps_follow_torch_on_the_simulator(qnn_sdk):
+    model, program, _ = _lowered("SM8650")
+    _assert_losses_follow_torch(model, program)
+
+
+@pytest.mark.htp
+def test_below_v69_the_program_runs_on_cpu_and_follows_torch(qnn_sdk):
+    """SM8350 (V68): the training graph stays on CPU as a whole (rule
+    ``training_graph_below_v69``, which a joint graph without the plugin's backward ops
+    meets too); the dequantizing copy is a float copy there."""
+    from qnn_convbwd.toolchain import harness
+
+    model, program, graphs = _lowered("SM8350")
+    assert harness.delegate_count(program.edge) == 0 and graphs == []
+    rules = {op.rule for op in program.report.on_cpu}
+    assert rules == {"training_graph_below_v69"}, program.report.on_cpu_markdown()
+    # executorch's FoldQDQ removed the activations' quantize / dequantize pairs: the
+    # CPU program computes them in float, as torch does without those pairs.
+    x, y = qb.batches(2)[1]
+    session = program.session(LR)
+    try:
+        ours = session.step([x, y])
+    finally:
+        session.close()
+    with torch.no_grad():
+        unquantized = nn.functional.cross_entropy(qb.without_activation_quantization(model)(x), y)
+    assert abs(ours - unquantized.item()) <= 1e-5, (ours, unquantized.item())
+    _assert_losses_follow_torch(model, program)
+
+
+@pytest.mark.htp
+@pytest.mark.slow(reason="two more lowerings and six simulator steps")
+@pytest.mark.parametrize(("dtype", "mode"), [("8a8w", "whole"), ("16a8w", "split")])
+def test_other_quantizations_are_one_delegate_and_follow_torch(qnn_sdk, dtype, mode):
+    """The whole model quantized with the head's nodes left unannotated; 16-bit
+    activations (QuantDtype.use_16a8w)."""
+    from qnn_convbwd import training
+    from qnn_convbwd.toolchain import harness
+
+    model = qb.quantized_cifar(dtype, mode)
+    program = training.lower_for_training(
+        training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+        qb.batches(1)[0],
+        harness.compile_specs("SM8650"),
+    )
+    assert program.report.on_cpu == [], program.report.on_cpu_markdown()
+    assert harness.delegate_count(program.edge) == 1
+    _assert_losses_follow_torch(model, program)

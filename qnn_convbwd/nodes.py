@@ -41,6 +41,11 @@ def is_max_pool_backward(node: object) -> bool:
     return is_call(node, edge_aten().max_pool2d_with_indices_backward.default)
 
 
+def is_avg_pool_backward(node: object) -> bool:
+    """An edge-dialect ``avg_pool2d_backward``."""
+    return is_call(node, edge_aten().avg_pool2d_backward.default)
+
+
 def is_max_pool_with_indices(node: object) -> bool:
     """An edge-dialect forward ``max_pool2d_with_indices``."""
     return is_call(node, edge_aten().max_pool2d_with_indices.default)

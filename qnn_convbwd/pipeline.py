@@ -55,7 +55,9 @@ from .passes import train_mode as train_mode_pass
 from .passes.batch_norm import StableBatchNorm
 from .passes.conv_batch_norm import FoldConvolutionBatchNorm
 from .passes.distribute_mul import DistributeMul
+from .passes.erf import ErfAsPolynomials
 from .passes.hardswish import CentredHardActivations
+from .passes.layer_norm import TrainableLayerNorms
 from .passes.loss_scale import ScaleLoss
 from .passes.quant_boundary import DequantizeFloatReaders
 from .passes.scalar_constants import PairedScalars
@@ -167,6 +169,7 @@ def _bind_outputs(edge_program: Any, wrappers: list) -> list:
 def stages() -> tuple[Stage, ...]:
     """Every stage, in the order it runs (builders are imported on first use)."""
     from .builders import (
+        op_avg_pool_backward,
         op_dequantize,
         op_max_pool_backward,
         op_max_pool_with_indices,
@@ -227,7 +230,8 @@ def stages() -> tuple[Stage, ...]:
             "canonicalize",
             "static_shape_operands",
             canonicalize.static_shape_operands,
-            "on delegated nodes: operands read only for their shape become a static full",
+            "on delegated nodes: operands read only for their shape (a convolution_backward's, "
+            "an avg_pool2d_backward's input) become a static full",
         ),
         Stage(
             "canonicalize",
@@ -294,6 +298,15 @@ def stages() -> tuple[Stage, ...]:
         ),
         Stage(
             "edge",
+            "trainable_layer_norms",
+            TrainableLayerNorms,
+            "layer norms whose weight or bias trains as mean / rsqrt / products, which read "
+            "them at run time (executorch's visitor bakes them); before the partitioner's "
+            "rule trainable_parameter_baked sees them",
+            hook="transform_passes",
+        ),
+        Stage(
+            "edge",
             "stable_sigmoid",
             StableSigmoid,
             "sigmoid through tanh, whose fp16 backward keeps its precision",
@@ -315,6 +328,15 @@ def stages() -> tuple[Stage, ...]:
             DistributeMul,
             "a * (b + c) as a*b + a*c where fp16 would cancel",
             gate="mul_over_add",
+            hook="transform_passes",
+        ),
+        Stage(
+            "edge",
+            "erf_as_polynomials",
+            ErfAsPolynomials,
+            "erf (GELU's backward) as a series and a rational approximation the HTP runs; "
+            "after DistributeMul, which would reorder their Horner steps, and before "
+            "PairedScalars, which pairs their constant factors",
             hook="transform_passes",
         ),
         Stage(
@@ -443,9 +465,10 @@ def stages() -> tuple[Stage, ...]:
             {
                 TARGET: ConvolutionBackwardVisitor,
                 op_max_pool_backward.TARGET: op_max_pool_backward.MaxPoolBackwardVisitor,
+                op_avg_pool_backward.TARGET: op_avg_pool_backward.AvgPoolBackwardVisitor,
             },
             "node visitors of convolution_backward (grad_input by the formulation the "
-            "options pick) and max_pool2d_with_indices_backward",
+            "options pick), max_pool2d_with_indices_backward and avg_pool2d_backward",
             gate="input_gradient, stride, output_padding",
             hook="visitor_targets",
         ),
@@ -455,6 +478,7 @@ def stages() -> tuple[Stage, ...]:
             (
                 edge_ops.convolution_backward.default,
                 edge_ops.max_pool2d_with_indices_backward.default,
+                edge_ops.avg_pool2d_backward.default,
             ),
             "LayoutTransform treats the backward ops as NHWC, like their forwards",
             hook="layout_sensitive_ops",

@@ -231,6 +231,37 @@ def _forward_backward_on_cpu():
     return _forward(program, skip_ids=frozenset({backward.name}))
 
 
+AVG = "avg_pool2d_backward"
+
+
+@functools.cache
+def _avg_pool_program(kernel=2):
+    x = torch.randn(1, 2, 2 * kernel, 2 * kernel)
+    grad = torch.randn(1, 2, 2, 2)
+
+    class _AvgPool(nn.Module):
+        def forward(self, grad, x):
+            k = [kernel] * 2
+            return torch.ops.aten.avg_pool2d_backward(grad, x, k, k, [0, 0], False, True, None)
+
+    with qnn_convbwd.enabled():
+        return to_edge(torch.export.export(_AvgPool(), (grad, x))).exported_program()
+
+
+for _rule, (_built_with, _target) in {
+    "backend_is_htp": ({}, {"backend": "gpu"}),
+    "htp_arch_supported": ({}, {"soc": "SM8350", "arch": 68}),
+    "window_size": ({"kernel": 16}, {}),
+}.items():
+
+    def _avg(built_with=_built_with, target=_target):
+        program = _avg_pool_program(**built_with)
+        node = _first(program, nodes.is_avg_pool_backward)
+        return node, judge.Context(htp(program, **target)), None
+
+    REACH[(AVG, _rule)] = _avg
+
+
 GRAPH, ET = judge.GRAPH, judge.EXECUTORCH
 
 
@@ -453,7 +484,7 @@ def test_every_registered_rule_is_reached():
     """A rule in the registry without a node that triggers it fails here."""
     with qnn_convbwd.enabled():
         registered = set(verdict.registered())
-    assert {family for family, _ in registered} >= {CONV, POOL, FORWARD, GRAPH, ET}
+    assert {family for family, _ in registered} >= {CONV, POOL, FORWARD, AVG, GRAPH, ET}
     assert registered - set(REACH) == set(), "registered rules nothing reaches"
     assert set(REACH) - registered == set(), "REACH names rules that are not registered"
 

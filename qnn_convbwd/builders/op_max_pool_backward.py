@@ -38,6 +38,7 @@ from .. import integration
 from ..geometry import pool as pg
 from ..meta import INDEX_PLANE
 from . import qnn_ops
+from .pool_placement import PoolBuilder, by_phases, by_window_masks, numpy_dtype
 
 NodeVisitor = integration.get("NodeVisitor")
 
@@ -54,34 +55,10 @@ def window_table(pool: pg.MaxPoolBackward, plane: pg.IndexPlane, offset) -> np.n
     return table
 
 
-def _numpy(dtype: torch.dtype):
-    return np.float16 if dtype == torch.float16 else np.float32
-
-
-class _Builder:
+class _Builder(PoolBuilder):
     def __init__(self, visitor, node, nodes_to_wrappers, pool, plane) -> None:
-        self.visitor, self.node, self.n2w = visitor, node, nodes_to_wrappers
-        self.pool, self.plane = pool, plane
-        self.ops: list = []
-        self.batch, self.channels = int(pool.input_shape[0]), int(pool.input_shape[1])
-
-    def tensor(self, suffix: str, shape, dtype):
-        name = f"{self.node.name}_{suffix}"
-        return qnn_ops.native_tensor(self.visitor, name, shape, dtype, self.n2w)
-
-    def static(self, suffix: str, value: np.ndarray, dtype):
-        return qnn_ops.static_tensor(
-            f"{self.node.name}_{suffix}", value, value.shape, dtype, self.n2w
-        )
-
-    def nhwc(self, sizes) -> list[int]:
-        return [self.batch, *sizes, self.channels]
-
-    def crop(self, source, grad_input, offset) -> None:
-        ranges = [[0, self.batch, 1]]
-        ranges += [[o, o + i, 1] for o, i in zip(offset, self.pool.in_sizes)]
-        ranges.append([0, self.channels, 1])
-        self.ops.append(qnn_ops.strided_slice(f"{self.node.name}_crop", source, grad_input, ranges))
+        super().__init__(visitor, node, nodes_to_wrappers, pool)
+        self.plane = plane
 
 
 def _picked(b: _Builder, number: int, offset, grad_output, indices):
@@ -98,7 +75,7 @@ def _picked(b: _Builder, number: int, offset, grad_output, indices):
             [mask],
         )
     )
-    zero = b.static("zero", np.zeros((1, 1, 1, 1), dtype=_numpy(pool.dtype)), pool.dtype)
+    zero = b.static("zero", np.zeros((1, 1, 1, 1), dtype=numpy_dtype(pool.dtype)), pool.dtype)
     picked = b.tensor(f"{tag}_picked", out_shape, pool.dtype)
     b.ops.append(
         qnn_ops.new_op(
@@ -111,105 +88,22 @@ def _picked(b: _Builder, number: int, offset, grad_output, indices):
     return picked
 
 
-def _add(b: _Builder, suffix: str, left, right, shape):
-    total = b.tensor(suffix, shape, b.pool.dtype)
-    b.ops.append(
-        qnn_ops.new_op(
-            f"{b.node.name}_{suffix}_op",
-            integration.get("OpElementWiseAdd").op_name,
-            [left, right],
-            [total],
-        )
-    )
-    return total
-
-
 def _window_masks(b: _Builder, grad_output, indices, grad_input) -> list:
-    """Placement by zero insertion: every offset's picked gradient at full resolution."""
-    pool, name = b.pool, b.node.name
-    dtype = pool.dtype
-    out_shape = b.nhwc(pool.out_sizes)
-    canvas = pool.canvas()
-    upsampled_sizes = [o * s for o, s in zip(pool.out_sizes, pool.stride)]
-    total = None
-    for number, offset in enumerate(pool.offsets()):
-        tag = f"w{number}"
-        picked = _picked(b, number, offset, grad_output, indices)
-        upsampled = picked
-        if any(s > 1 for s in pool.stride):
-            zi_ops, upsampled, _ = qnn_ops.zero_insert(
-                b.visitor, f"{name}_{tag}_up", picked, out_shape, pool.stride, dtype, b.n2w
-            )
-            b.ops += zi_ops
-        before = [j * d for j, d in zip(offset, pool.dilation)]
-        after = [c - u - x for c, u, x in zip(canvas, upsampled_sizes, before)]
-        placed = b.tensor(f"{tag}_placed", b.nhwc(canvas), dtype)
-        amounts = [[0, 0], *zip(before, after), [0, 0]]
-        b.ops.append(qnn_ops.zero_pad(f"{name}_{tag}_place", upsampled, placed, amounts))
-        total = placed if total is None else _add(b, f"{tag}_sum", total, placed, b.nhwc(canvas))
-    b.crop(total, grad_input, pool.padding)
-    return b.ops
+    """Placement by zero insertion (``pool_placement.by_window_masks``)."""
 
+    def pick(number, offset):
+        return _picked(b, number, offset, grad_output, indices)
 
-def _interleave(b: _Builder, dim: int, parts: list, shape: list[int], tag: str):
-    """``parts[r]`` holds every ``s``-th element of spatial dim ``dim`` from ``r`` on:
-    one tensor with that dim ``s`` times as long (Reshape / Concat / Reshape, rank 3)."""
-    axis = 1 + dim
-    lead = int(np.prod(shape[: axis + 1]))
-    trail = int(np.prod(shape[axis + 1 :]))
-    dtype = b.pool.dtype
-    views = []
-    for r, part in enumerate(parts):
-        view = b.tensor(f"{tag}_v{r}", [lead, 1, trail], dtype)
-        b.ops.append(qnn_ops.reshape(f"{b.node.name}_{tag}_v{r}_op", part, view))
-        views.append(view)
-    stacked = b.tensor(f"{tag}_cat", [lead, len(parts), trail], dtype)
-    names = integration.get("OpConcat")
-    concat = qnn_ops.new_op(f"{b.node.name}_{tag}_cat_op", names.op_name, views, [stacked])
-    qnn_ops.uint32_scalar(concat, names.param_axis, 1)
-    b.ops.append(concat)
-    longer = list(shape)
-    longer[axis] *= len(parts)
-    merged = b.tensor(f"{tag}_merged", longer, dtype)
-    b.ops.append(qnn_ops.reshape(f"{b.node.name}_{tag}_op", stacked, merged))
-    return merged, longer
+    return by_window_masks(b, pick, grad_input)
 
 
 def _phases(b: _Builder, grad_output, indices, grad_input) -> list:
-    """Placement by stride phases: the offsets of one phase are summed on the coarse
-    grid (shifted by a Pad), then the phases are interleaved per dim. No zeros are
-    inserted; a pooling whose offsets leave a phase empty uses ``_window_masks``."""
-    pool, name = b.pool, b.node.name
-    if not pool.covers_every_phase():
-        return _window_masks(b, grad_output, indices, grad_input)
-    coarse = list(pool.coarse_sizes())
-    sums: dict[tuple[int, ...], object] = {}
-    for number, (offset, (phase, shift)) in enumerate(pool.phases().items()):
-        picked = _picked(b, number, offset, grad_output, indices)
-        after = [m - o - q for m, o, q in zip(coarse, pool.out_sizes, shift)]
-        placed = picked
-        if any(shift) or any(after):
-            placed = b.tensor(f"w{number}_shifted", b.nhwc(coarse), pool.dtype)
-            amounts = [[0, 0], *zip(shift, after), [0, 0]]
-            b.ops.append(qnn_ops.zero_pad(f"{name}_w{number}_shift", picked, placed, amounts))
-        if phase in sums:
-            sums[phase] = _add(b, f"w{number}_sum", sums[phase], placed, b.nhwc(coarse))
-        else:
-            sums[phase] = placed
-    shape = b.nhwc(coarse)
-    for dim, stride in enumerate(pool.stride):
-        if stride == 1:
-            continue
-        merged: dict[tuple[int, ...], object] = {}
-        longer = shape
-        for rest in sorted({k[:dim] + (0,) + k[dim + 1 :] for k in sums}):
-            parts = [sums[rest[:dim] + (r,) + rest[dim + 1 :]] for r in range(stride)]
-            tag = f"d{dim}_" + "_".join(map(str, rest))
-            merged[rest], longer = _interleave(b, dim, parts, shape, tag)
-        sums, shape = merged, longer
-    (total,) = sums.values()
-    b.crop(total, grad_input, pool.padding)
-    return b.ops
+    """Placement by stride phases (``pool_placement.by_phases``)."""
+
+    def pick(number, offset):
+        return _picked(b, number, offset, grad_output, indices)
+
+    return by_phases(b, pick, grad_input)
 
 
 def _scatter_add(b: _Builder, grad_output, indices, grad_input) -> list:
@@ -222,7 +116,7 @@ def _scatter_add(b: _Builder, grad_output, indices, grad_input) -> list:
     flat_grad = b.tensor("flat_grad", [b.batch, out_size, b.channels], dtype)
     b.ops.append(qnn_ops.reshape(f"{name}_flat_grad", grad_output, flat_grad))
     zeros = b.static(
-        "zeros", np.zeros((b.batch, plane_size, b.channels), dtype=_numpy(dtype)), dtype
+        "zeros", np.zeros((b.batch, plane_size, b.channels), dtype=numpy_dtype(dtype)), dtype
     )
     scattered = b.tensor("scattered", [b.batch, plane_size, b.channels], dtype)
     names = integration.get("OpScatterElements")

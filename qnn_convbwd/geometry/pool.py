@@ -254,3 +254,90 @@ def index_plane(node: torch.fx.Node, pool: MaxPoolBackward, edge_ops) -> IndexPl
     before = tuple(amounts[2 * (SPATIAL_DIMS - 1 - d)] for d in range(SPATIAL_DIMS))
     sizes = tuple(int(s) for s in pad.meta["val"].shape[2:])
     return IndexPlane(sizes, before)
+
+
+# --- avg_pool2d_backward ---------------------------------------------------------------
+
+# Argument positions of ``avg_pool2d_backward(grad_output, self, kernel_size, stride,
+# padding, ceil_mode, count_include_pad, divisor_override)`` (same schema file).
+(
+    A_GRAD_OUTPUT,
+    A_INPUT,
+    A_KERNEL,
+    A_STRIDE,
+    A_PADDING,
+    A_CEIL_MODE,
+    A_COUNT_INCLUDE_PAD,
+    A_DIVISOR_OVERRIDE,
+) = range(8)
+
+
+@dataclasses.dataclass(frozen=True)
+class AvgPoolBackward(MaxPoolBackward):
+    """An average pool's window geometry (the max pool's, dilation 1) and its divisor."""
+
+    count_include_pad: bool = True
+    divisor_override: int | None = None
+
+    def divisors(self) -> list[list[int]]:
+        """Per output position (``out_sizes``, 2-D), what torch divides its gradient by.
+
+        Window ``o`` spans padded positions ``[o * s, o * s + k)``, input positions from
+        ``o * s - p``; torch clips it to the padded input for ``count_include_pad``
+        and to the input otherwise (``AvgPoolKernel.cpp``, ``avg_pool2d_backward``).
+        """
+        if self.divisor_override:
+            return [[int(self.divisor_override)] * self.out_sizes[1]] * self.out_sizes[0]
+        per_dim = []
+        for i, o, k, s, p, _ in self.per_dim():
+            counts = []
+            for position in range(o):
+                start = position * s - p
+                end = min(start + k, i + p)
+                if not self.count_include_pad:
+                    start, end = max(start, 0), min(end, i)
+                counts.append(end - start)
+            per_dim.append(counts)
+        rows, columns = per_dim
+        return [[r * c for c in columns] for r in rows]
+
+
+def parse_avg(node: torch.fx.Node) -> AvgPoolBackward:
+    """The ``AvgPoolBackward`` of an ``avg_pool2d_backward`` node; raises
+    ``PoolArgumentError`` for arguments it does not describe (a grad_output that is not
+    torch's pooled size of the input, a non-positive divisor_override)."""
+    args = list(node.args)
+    if len(args) != A_DIVISOR_OVERRIDE + 1:
+        raise PoolArgumentError(f"{len(args)} arguments, the schema has {A_DIVISOR_OVERRIDE + 1}")
+    grad_output = args[A_GRAD_OUTPUT].meta["val"]
+    source = args[A_INPUT].meta["val"]
+    if grad_output.dim() != SPATIAL_DIMS + 2 or source.dim() != SPATIAL_DIMS + 2:
+        raise PoolArgumentError(
+            f"grad_output of rank {grad_output.dim()}, input of rank {source.dim()}: "
+            "expected 4 (NCHW)"
+        )
+    kernel = _per_dim("kernel_size", args[A_KERNEL], ())
+    divisor = args[A_DIVISOR_OVERRIDE]
+    if divisor is not None and int(divisor) <= 0:
+        raise PoolArgumentError(f"divisor_override={divisor}")
+    pool = AvgPoolBackward(
+        grad_output_shape=_static(grad_output.shape),
+        input_shape=_static(source.shape),
+        kernel=kernel,
+        stride=_per_dim("stride", args[A_STRIDE], kernel),
+        padding=_per_dim("padding", args[A_PADDING], (0,)),
+        dilation=(1,) * SPATIAL_DIMS,
+        ceil_mode=bool(args[A_CEIL_MODE]),
+        dtype=grad_output.dtype,
+        count_include_pad=bool(args[A_COUNT_INCLUDE_PAD]),
+        divisor_override=None if divisor is None else int(divisor),
+    )
+    expected = [pooled_size(i, k, s, p, 1, pool.ceil_mode) for i, _, k, s, p, _ in pool.per_dim()]
+    if expected != list(pool.out_sizes) or any(
+        p > k // 2 for p, k in zip(pool.padding, pool.kernel)
+    ):
+        raise PoolArgumentError(
+            f"grad_output {list(pool.out_sizes)} is not torch's pooled size {expected} of the "
+            f"input {list(pool.in_sizes)} (padding {list(pool.padding)})"
+        )
+    return pool

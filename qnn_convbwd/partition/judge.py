@@ -49,7 +49,7 @@ from ..meta import (
 )
 from ..nodes import origins
 from ..signature import trainable_parameters, trained_in_program
-from . import cpu_kernel, max_pool, support, trainable
+from . import avg_pool, cpu_kernel, max_pool, support, trainable
 from .target import MIN_HTP_ARCH, Target, below_min_arch
 from .verdict import Decision, Fallback, Rejection, first_rejection, rules, settle
 
@@ -93,6 +93,8 @@ def op_name(node: torch.fx.Node) -> str:
         return max_pool.OP
     if nodes.is_max_pool_with_indices(node):
         return max_pool.FORWARD_OP
+    if nodes.is_avg_pool_backward(node):
+        return avg_pool.OP
     return getattr(node.target, "__name__", str(node.target))
 
 
@@ -103,7 +105,11 @@ def skip_name(node: torch.fx.Node) -> str:
 
 
 def _plugin_op(node: torch.fx.Node) -> bool:
-    return nodes.is_conv_bwd(node) or nodes.is_max_pool_backward(node)
+    return (
+        nodes.is_conv_bwd(node)
+        or nodes.is_max_pool_backward(node)
+        or nodes.is_avg_pool_backward(node)
+    )
 
 
 # --- graph rules: every node ---------------------------------------------------
@@ -482,6 +488,8 @@ def _rules_rejection(node: torch.fx.Node, context: Context) -> Rejection | None:
         found = max_pool.decide(node, context.target, log=False).rejection
     elif nodes.is_max_pool_with_indices(node) and node.meta.get(INDICES_ON_HTP):
         found = _forward_pool_rejection(node, context)
+    elif nodes.is_avg_pool_backward(node):
+        found = avg_pool.decide(node, context.target, log=False).rejection
     else:
         found = None
     if found is not None:
@@ -655,6 +663,14 @@ def _warn_about_consequences(node: torch.fx.Node, verdict: Decision) -> None:
             "(%s): its backwards read int64 indices from CPU and are kept on CPU with "
             "executorch's kernel, which computes them wrong (docs/max_pool.md)",
             max_pool.FORWARD_OP,
+            node.name,
+            verdict.reason,
+        )
+    elif nodes.is_avg_pool_backward(node):
+        logger.warning(
+            "%s %s: stays on CPU (%s), where executorch 1.5.1's runtime has no kernel for "
+            "it: the program fails to load",
+            avg_pool.OP,
             node.name,
             verdict.reason,
         )

@@ -5,7 +5,9 @@ A trainable parameter is a delegate input read at run time
 values while building the graph (batch/layer/group/instance/RMS norm, PReLU,
 embedding: they call ``get_parameter``) cannot take it: inside the delegate
 they would fail, or bake the initial values. Such a node stays on CPU, where
-the program's numbers are right, and is logged once with the reason.
+the program's numbers are right, and is logged once with the reason. In the
+plugin's own flow a layer norm with a trainable weight or bias never reaches this
+rule: ``passes/layer_norm.py`` writes it as ops that read the parameters at run time.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ def _remember_names(graph: torch.fx.Graph) -> None:
         if (
             nodes.is_conv_bwd(node)
             or nodes.is_max_pool_backward(node)
+            or nodes.is_avg_pool_backward(node)
             or nodes.is_max_pool_with_indices(node)
         ):
             node.meta.setdefault(NAME_SEEN, node.name)

@@ -1,19 +1,20 @@
 """Replace operands that are read only for their shape by a static-shape ``full``.
 
-Two ops in training graphs read a tensor only for its shape:
+Three ops in training graphs read a tensor only for its shape:
 
 * ``full_like(loss, 1)``, the seed of the backward pass;
 * ``convolution_backward``'s ``input`` when only grad_input is asked for, and
   its ``weight`` when grad_input is not asked for (a grad_weight / grad_bias
   half after the split). A trainable weight is a delegate input, so a partition
-  holding only the grad_weight half would otherwise declare it unread.
+  holding only the grad_weight half would otherwise declare it unread;
+* ``avg_pool2d_backward``'s ``self`` (its input), always.
 
 Left as they are, a partition that holds the op but not the producer declares
 an input the QNN graph never reads, and executorch rejects the lowering
 (``_check_io_binding``). A ``full`` of the same shape and dtype carries the
-same information inside the partition. The input of a convolution_backward is
-replaced only for nodes the support rules delegate: a node that stays on CPU
-keeps its operands exactly as they were.
+same information inside the partition. The input of a convolution_backward or
+an avg_pool2d_backward is replaced only for nodes the support rules delegate: a
+node that stays on CPU keeps its operands exactly as they were.
 
 executorch forbids partitioners to change the graph, so this runs inside
 ``canonicalize.CanonicalizeConvolutionBackward``, a to_edge transform pass.
@@ -32,6 +33,7 @@ import torch
 
 from .. import nodes
 from ..geometry import conv as geo
+from ..geometry import pool
 from ..meta import SHAPE_OF
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,20 @@ def replace_shape_only_operands(
                 )
                 full.meta[SHAPE_OF] = node.name
                 node.replace_input_with(source, full)
+                replaced += 1
+        elif nodes.is_avg_pool_backward(node):
+            source = node.args[pool.A_INPUT]
+            if (
+                isinstance(source, torch.fx.Node)
+                and _static(source.meta.get("val"))
+                and source.target != ops.full.default
+                and delegated(node)
+            ):
+                full = _insert_full(
+                    graph, node, source.meta["val"], 0.0, f"{node.name}_input_shape"
+                )
+                full.meta[SHAPE_OF] = node.name
+                node.update_arg(pool.A_INPUT, full)
                 replaced += 1
     if replaced:
         graph_module.recompile()

@@ -1,0 +1,343 @@
+"""Which ops of torchvision's classifiers stay on CPU when they train in ``train()``.
+
+For each architecture and fine-tuning scheme (``finetune.apply_scheme``: ``full``,
+``last-layers``, ``bias-only``) the model is put in ``train()`` (batch statistics,
+running statistics updated; dropout modules in ``eval()``, since torch and the
+program draw different masks), wrapped with cross-entropy and exported as its joint
+training graph (``training.export_joint``). Then, per model:
+
+* by default ``qnn_convbwd.decide`` (the rules alone, nothing compiled): cheap;
+* with ``lower=True`` a real lowering (``training.lower_for_training``): the
+  delegate count and the lowering time; with ``step=True`` also one simulator step
+  (loss and every gradient) next to torch's fp32 and fp16 steps from the same weights.
+
+Every op kept on CPU is counted by rule and op, in three kinds (``kind``):
+
+* ``state``: on CPU by design: the program's state (running statistics' updates, a
+  step counter), trainable weights moved between torch's layout and the delegate's,
+  an in-program optimizer, the loss scale's division (fp32, exact);
+* ``follows``: on CPU because another op is (a constant whose consumer stays, a
+  getitem of a producer on CPU, a node prepared for a CPU op);
+* ``gap``: anything else, an op the HTP path does not take yet: what to work on.
+
+``markdown(rows)`` is the table of docs/results.md; ``rows`` go to JSON as they are.
+``scripts/zoo_sweep.py`` is the command.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+# torchvision classification CNNs the sweep knows, small to large.
+MODELS = (
+    "resnet18",
+    "regnet_y_400mf",
+    "mobilenet_v3_large",
+    "mnasnet0_5",
+    "squeezenet1_1",
+    "shufflenet_v2_x0_5",
+    "efficientnet_b0",
+    "googlenet",
+    "densenet121",
+    "vgg11_bn",
+    "efficientnet_v2_s",
+    "resnext50_32x4d",
+    "convnext_tiny",
+)
+SCHEMES = ("full", "last-layers", "bias-only")
+# Constructor arguments beyond num_classes: GoogLeNet's auxiliary heads return a tuple
+# in train() that a plain cross-entropy cannot take.
+_EXTRA_ARGUMENTS: dict[str, dict[str, Any]] = {"googlenet": {"aux_logits": False}}
+# Sizes tried, in order, for the smallest input a model takes.
+_SIZES = (32, 48, 64, 96, 128, 160, 224)
+
+STATE = "state"
+FOLLOWS = "follows"
+GAP = "gap"
+KINDS = (STATE, FOLLOWS, GAP)
+# Rules that keep an op on CPU by design, and rules that keep one there because another is.
+STATE_RULES = frozenset(
+    {"program_state_on_cpu", "weight_layout_on_cpu", "optimizer_on_cpu", "loss_unscale"}
+)
+FOLLOWS_RULES = frozenset(
+    {
+        "constant_follows_consumers",
+        "follows_its_producer",
+        "lifted_for_cpu",
+        "weight_view_follows_convolutions",
+        "indices_cast_follows_its_pool",
+    }
+)
+
+
+def kind(rule: str) -> str:
+    """``state``, ``follows`` or ``gap`` for an op kept on CPU by ``rule``."""
+    if rule in STATE_RULES:
+        return STATE
+    if rule in FOLLOWS_RULES:
+        return FOLLOWS
+    return GAP
+
+
+def architecture(arch: str, classes: int = 10, seed: int = 0) -> nn.Module:
+    """torchvision's ``arch`` with random weights from ``seed`` (the global random state is
+    left as it was), with the constructor arguments the sweep needs (``_EXTRA_ARGUMENTS``)."""
+    from qnn_convbwd.torchvision_import import import_torchvision
+
+    models = import_torchvision().models
+    if arch not in models.list_models(module=models):
+        raise ValueError(f"unknown torchvision classifier {arch!r}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return models.get_model(
+            arch, weights=None, num_classes=classes, **_EXTRA_ARGUMENTS.get(arch, {})
+        )
+
+
+def smallest_size(arch: str, at_least: int = 32) -> int:
+    """The smallest of ``_SIZES`` (from ``at_least`` on) whose square input ``arch`` takes."""
+    from qnn_convbwd import finetune
+
+    net = architecture(arch)
+    for size in (s for s in _SIZES if s >= at_least):
+        try:
+            finetune.check_size(net, size)
+        except finetune.ModelError:
+            continue
+        return size
+    raise ValueError(f"{arch} takes none of the sizes {_SIZES} from {at_least} on")
+
+
+def train_mode_batch(
+    arch: str, scheme: str, batch: int, size: int, seed: int = 0
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """``arch`` in ``train()`` with ``scheme`` applied (``full``: every parameter trains,
+    as a fresh model's do) and dropout modules in ``eval()``, and one seeded batch of
+    random images and labels (10 classes)."""
+    from qnn_convbwd import finetune
+
+    net = architecture(arch, 10, seed).train()
+    if scheme != "full":  # finetune's schemes need a linear head, which SqueezeNet lacks
+        net = finetune.apply_scheme(net, scheme, size=size)
+    for module in net.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.eval()
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, size, size, generator=generator)
+    y = torch.randint(0, 10, (batch,), generator=generator)
+    return net, x, y
+
+
+@dataclasses.dataclass
+class Row:
+    """One model and scheme: what stays on CPU, and what lowering it took."""
+
+    arch: str
+    scheme: str
+    size: int
+    batch: int
+    soc: str
+    how: str  # "decide" or "lower"
+    export_seconds: float
+    seconds: float  # decide() or lower_for_training's lowering time
+    # "rule op" -> count, per kind
+    on_cpu: dict[str, dict[str, int]]
+    delegates: int | None = None  # lower only
+    step: dict[str, Any] | None = None  # lower with step only
+    error: str | None = None  # the model could not be swept: why
+
+    def count(self, which: str) -> int:
+        return sum(self.on_cpu.get(which, {}).values())
+
+
+def count_on_cpu(on_cpu: Iterable[Any]) -> dict[str, dict[str, int]]:
+    """``Report.on_cpu`` as ``{kind: {"rule op": count}}`` (every kind present)."""
+    counted: dict[str, collections.Counter] = {k: collections.Counter() for k in KINDS}
+    for op in on_cpu:
+        counted[kind(op.rule)][f"{op.rule} {op.op}"] += 1
+    return {k: dict(sorted(c.items())) for k, c in counted.items()}
+
+
+def _gradient_errors(
+    net: nn.Module, x: torch.Tensor, y: torch.Tensor, ours: dict[str, torch.Tensor]
+) -> tuple[float, float, dict[str, tuple[float, float]]]:
+    """torch's fp32 and fp16 loss, and per trained parameter the relative L2 error of
+    ``ours`` and of torch fp16's gradient against torch fp32's (one train() step)."""
+    grads, losses = {}, {}
+    for dtype in (torch.float32, torch.float16):
+        model = copy.deepcopy(net).to(dtype)
+        loss = nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+        loss.backward()
+        losses[dtype] = float(loss)
+        grads[dtype] = {
+            n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None
+        }
+    errors = {}
+    for name, reference in grads[torch.float32].items():
+        scale = max(float(reference.norm()), 1e-30)
+        mine = ours[name].float().reshape(reference.shape)
+        errors[name] = (
+            float((mine - reference).norm()) / scale,
+            float((grads[torch.float16][name] - reference).norm()) / scale,
+        )
+    return losses[torch.float32], losses[torch.float16], errors
+
+
+def _step(program: Any, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
+    """One simulator step of ``program`` against torch fp32 and fp16 from ``net``'s weights."""
+    from qnn_convbwd_dev import step_floor
+
+    session = program.session(lr=0.0)
+    try:
+        loss = float(session.forward_backward([x, y])[0])
+        ours = {program.layout.eager_name(n): g for n, g in session.gradients().items()}
+    finally:
+        session.close()
+    fp32, fp16, errors = _gradient_errors(net, x, y, ours)
+    bound = step_floor.loss_bound(fp32, fp16 - fp32)
+    worst = max(errors, key=lambda n: errors[n][0] / max(errors[n][1], 1e-12))
+    return {
+        "loss": loss,
+        "torch_loss": fp32,
+        "torch_fp16_loss": fp16,
+        "loss_bound": bound,
+        "loss_within": abs(loss - fp32) <= bound,
+        "gradients": len(errors),
+        "worst_gradient": worst,
+        "worst_error": errors[worst][0],
+        "worst_fp16_error": errors[worst][1],
+        "median_ratio": float(
+            torch.tensor([e / max(f, 1e-12) for e, f in errors.values()]).median()
+        ),
+    }
+
+
+def sweep_one(
+    arch: str,
+    scheme: str = "full",
+    *,
+    soc: str = "SM8650",
+    batch: int = 4,
+    size: int | None = None,
+    lower: bool = False,
+    step: bool = False,
+    seed: int = 0,
+) -> Row:
+    """One model: ``decide`` (or, with ``lower``, a real lowering and with ``step`` one
+    simulator step). ``size`` None: 32, or the model's smallest size above that."""
+    import qnn_convbwd
+    from qnn_convbwd import training
+    from qnn_convbwd.toolchain import harness
+
+    if step and not lower:
+        raise ValueError("step=True needs lower=True")
+    size = smallest_size(arch) if size is None else size
+    net, x, y = train_mode_batch(arch, scheme, batch, size, seed)
+    module = training.WithLoss(copy.deepcopy(net), nn.functional.cross_entropy)
+    specs = harness.compile_specs(soc)
+    start = time.perf_counter()
+    if not lower:
+        joint = training.export_joint(module, (x, y))
+        exported = time.perf_counter() - start
+        start = time.perf_counter()
+        report = qnn_convbwd.decide(joint, specs)
+        seconds = time.perf_counter() - start
+        return Row(
+            arch, scheme, size, batch, soc, "decide", exported, seconds, count_on_cpu(report.on_cpu)
+        )
+    program = training.lower_for_training(module, (x, y), specs)
+    row = Row(
+        arch,
+        scheme,
+        size,
+        batch,
+        soc,
+        "lower",
+        0.0,
+        program.lowering_seconds,
+        count_on_cpu(program.report.on_cpu),
+        delegates=harness.delegate_count(program.edge),
+    )
+    if step:
+        row.step = _step(program, net, x, y)
+    return row
+
+
+def sweep(
+    archs: Sequence[str],
+    schemes: Sequence[str] = ("full",),
+    *,
+    on_row: Any = None,
+    **options: Any,
+) -> list[Row]:
+    """``sweep_one`` over every architecture and scheme; a model that fails is a row with
+    its ``error`` (the others go on). ``on_row(row)`` is called after each."""
+    rows = []
+    for arch in archs:
+        for scheme in schemes:
+            try:
+                row = sweep_one(arch, scheme, **options)
+            except Exception as err:  # a model the flow cannot take: recorded, not fatal
+                logger.exception("%s %s: not swept", arch, scheme)
+                row = Row(arch, scheme, 0, 0, options.get("soc", "SM8650"), "", 0.0, 0.0, {})
+                row.error = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            rows.append(row)
+            if on_row is not None:
+                on_row(row)
+    return rows
+
+
+def _ops(counts: dict[str, int]) -> str:
+    return ", ".join(
+        f"{n} `{key.split(' ', 1)[1]}` ({key.split(' ')[0]})" for key, n in counts.items()
+    )
+
+
+def markdown(rows: Sequence[Row]) -> str:
+    """One line per model and scheme: ops on CPU per kind, the gaps spelt out."""
+    lines = [
+        "| model | scheme | px | how | seconds | delegates | state | follows | gaps | "
+        "gap ops (rule) | step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.error is not None:
+            lines.append(f"| {r.arch} | {r.scheme} | | | | | | | | not swept: {r.error} | |")
+            continue
+        step = ""
+        if r.step is not None:
+            s = r.step
+            step = (
+                f"loss {s['loss']:.4f} (torch {s['torch_loss']:.4f}, "
+                f"{'within' if s['loss_within'] else 'OUT'}); worst gradient "
+                f"{s['worst_error']:.1e} (torch fp16 {s['worst_fp16_error']:.1e})"
+            )
+        lines.append(
+            f"| {r.arch} | {r.scheme} | {r.size} | {r.how} | {r.seconds:.0f} | "
+            f"{'-' if r.delegates is None else r.delegates} | {r.count(STATE)} | "
+            f"{r.count(FOLLOWS)} | {r.count(GAP)} | {_ops(r.on_cpu.get(GAP, {})) or '-'} | "
+            f"{step or '-'} |"
+        )
+    return "\n".join(lines)
+
+
+def write(rows: Sequence[Row], out: str | Path) -> tuple[Path, Path]:
+    """``out``.md (``markdown``) and ``out``.json (the rows as they are)."""
+    out = Path(out)
+    md, js = out.with_suffix(".md"), out.with_suffix(".json")
+    md.write_text(markdown(rows) + "\n")
+    js.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
+    return md, js

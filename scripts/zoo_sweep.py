@@ -1,0 +1,61 @@
+"""Which ops of torchvision's classifiers stay on CPU in ``train()`` (``qnn_convbwd_dev.sweep``).
+
+By default ``qnn_convbwd.decide`` (nothing compiled); ``--lower`` lowers each model
+(minutes to hours for the large ones) and ``--step`` takes one simulator step next
+to torch. Writes ``--out``.md and ``--out``.json and prints the table.
+
+    python scripts/zoo_sweep.py --out /tmp/zoo_sweep
+    python scripts/zoo_sweep.py --arch resnet18 --lower --step --out /tmp/resnet18
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from qnn_convbwd_dev import sweep
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", nargs="+", default=list(sweep.MODELS))
+    parser.add_argument("--scheme", nargs="+", default=["full"], choices=sweep.SCHEMES)
+    parser.add_argument("--soc", default="SM8650")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument(
+        "--size", type=int, help="input size (default: 32, or the model's smallest above)"
+    )
+    parser.add_argument("--lower", action="store_true", help="lower each model for real")
+    parser.add_argument("--step", action="store_true", help="with --lower: one simulator step")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True, help="path without suffix for .md and .json")
+    args = parser.parse_args()
+    if args.step and not args.lower:
+        parser.error("--step needs --lower")
+    logging.basicConfig(level=logging.WARNING)
+    done = []
+
+    def on_row(row: sweep.Row) -> None:
+        done.append(row)
+        sweep.write(done, args.out)  # what is done so far survives an interrupted sweep
+        print(sweep.markdown([row]).splitlines()[-1], flush=True)
+
+    rows = sweep.sweep(
+        args.arch,
+        args.scheme,
+        on_row=on_row,
+        soc=args.soc,
+        batch=args.batch,
+        size=args.size,
+        lower=args.lower,
+        step=args.step,
+        seed=args.seed,
+    )
+    md, js = sweep.write(rows, args.out)
+    print(sweep.markdown(rows))
+    print(f"written: {md} {js}")
+    return 0 if all(r.error is None for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,121 @@
+"""GELU in training graphs: the erf of its backward as ops the HTP runs (passes/erf.py).
+
+The rewrite's function is measured in torch's own fp16 ops (each op rounded as the
+HTP's fp16 ops round) against the exact erf, and in fp32 against ``torch.erf``; the
+simulator runs GELU's forward (QNN's Gelu) and backward, both the erf and the tanh
+form, next to torch fp32 and fp16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from executorch.exir import to_edge
+from torch import nn
+
+import qnn_convbwd
+from qnn_convbwd import training
+from qnn_convbwd.passes import erf
+
+
+def _ulps(x: torch.Tensor) -> torch.Tensor:
+    """One fp16 unit in the last place at |x| (normal range; 2^-24 below)."""
+    exponent = torch.floor(torch.log2(x.abs().clamp_min(2.0**-14)))
+    return 2.0 ** (exponent - 10)
+
+
+def test_erf_in_fp16_ops_is_within_about_two_ulps_and_in_fp32_within_2e_6():
+    x = torch.linspace(-6, 6, 120001, dtype=torch.float64)
+    half = x.half()
+    exact = torch.erf(half.double())  # of the fp16 inputs
+    ours = erf.erf_reference(half).double()
+    torchs = torch.erf(half).double()
+    assert (ours - exact).abs().div(_ulps(exact)).max() <= 2.5
+    # On average not far from torch's own fp16 erf, and unbiased.
+    assert (ours - exact).abs().mean() <= 1.6 * (torchs - exact).abs().mean()
+    assert abs((ours - exact).mean()) <= 1e-6
+    assert (erf.erf_reference(x.float()).double() - torch.erf(x)).abs().max() <= 2e-6
+    assert erf.erf_reference(torch.zeros(1, dtype=torch.float16)).item() == 0.0
+
+
+class _Erf(nn.Module):
+    def forward(self, x):
+        return torch.erf(x)
+
+
+def test_rewrite_leaves_no_erf_and_computes_the_same_on_cpu():
+    x = torch.linspace(-4, 4, 801).reshape(1, 801)
+    with qnn_convbwd.enabled():
+        program = to_edge(torch.export.export(_Erf(), (x,))).exported_program()
+    module = program.graph_module
+    assert erf.rewrite_erfs(module) == 1
+    calls = [n.target.__name__ for n in module.graph.nodes if n.op == "call_function"]
+    assert not any("erf" in call for call in calls)
+    assert "aten.where.self" in calls
+    (out,) = module(x)
+    assert (out - torch.erf(x)).abs().max() <= 2e-6
+    assert torch.equal(out, erf.erf_reference(x))
+
+
+class _Gelus(nn.Module):
+    """Both GELUs between convolutions, trained."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3)
+        self.conv2 = nn.Conv2d(8, 8, 3)
+        self.head = nn.Linear(8 * 4 * 4, 5)
+
+    def forward(self, x):
+        x = nn.functional.gelu(self.conv1(x))
+        x = nn.functional.gelu(self.conv2(x), approximate="tanh")
+        return self.head(x.flatten(1))
+
+
+def _torch_step(net, x, y, dtype):
+    model = _copy(net).to(dtype)
+    loss = nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+    loss.backward()
+    return float(loss), {n: p.grad.double() for n, p in model.named_parameters()}
+
+
+def _copy(net):
+    import copy
+
+    return copy.deepcopy(net)
+
+
+def test_gelu_forward_and_backward_on_htp_next_to_torch(qnn_sdk):
+    """Loss and every gradient within twice torch fp16's own error (relative L2) plus
+    1e-3; no op of either GELU on CPU."""
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import fidelity
+
+    torch.manual_seed(0)
+    net = _Gelus()
+    x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 4])
+    joint = training.export_joint(
+        training.WithLoss(_copy(net), nn.functional.cross_entropy), (x, y)
+    )
+    compiled = harness.lower_program(joint, "SM8650")
+    on_cpu = [
+        str(n.target)
+        for n in compiled.edge.exported_program().graph.nodes
+        if n.op == "call_function"
+        and "executorch_call_delegate" not in str(n.target)
+        and "getitem" not in str(n.target)
+    ]
+    assert not [op for op in on_cpu if any(w in op for w in ("erf", "gelu", "tanh", "exp"))]
+    names = fidelity.output_names(joint)
+    outputs = dict(zip(names, compiled.run([x, y])))
+    loss32, grads32 = _torch_step(net, x, y, torch.float32)
+    loss16, grads16 = _torch_step(net, x, y, torch.float16)
+    assert abs(float(outputs["loss"]) - loss32) <= 2 * abs(loss16 - loss32) + 1e-3
+    for name, reference in grads32.items():
+        ours = outputs[f"net.{name}"]
+        scale = reference.norm()
+        error = float((ours.double() - reference).norm() / scale)
+        floor = float((grads16[name] - reference).norm() / scale)
+        assert error <= 2 * floor + 1e-3, f"{name}: {error:.2e} against torch fp16 {floor:.2e}"
+        assert math.isfinite(error)

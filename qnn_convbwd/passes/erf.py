@@ -28,7 +28,7 @@ import torch
 
 from .. import nodes
 from .gated import OptionGatedPass
-from .graph_builder import NodeBuilder
+from .graph_builder import NodeBuilder, rewrite_each
 
 # Maclaurin coefficients of erf(x) * sqrt(pi) / 2, in powers of x^2.
 SERIES = tuple((-1) ** k / (math.factorial(k) * (2 * k + 1)) for k in range(8))
@@ -106,18 +106,7 @@ def _rewrite(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None:
 
 def rewrite_erfs(graph_module: torch.fx.GraphModule) -> int:
     """Rewrite every floating-point ``aten.erf`` of ``graph_module``; returns how many."""
-    target = nodes.edge_aten().erf.default
-    changed = 0
-    for node in list(graph_module.graph.nodes):
-        if node.op != "call_function" or node.target != target:
-            continue
-        if not node.args[0].meta["val"].dtype.is_floating_point:
-            continue
-        _rewrite(graph_module, node)
-        changed += 1
-    if changed:
-        graph_module.recompile()
-    return changed
+    return rewrite_each(graph_module, nodes.edge_aten().erf.default, _rewrite)
 
 
 class ErfAsPolynomials(OptionGatedPass):

@@ -3,6 +3,8 @@ metadata of the node it stands in for."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .. import integration
@@ -44,3 +46,24 @@ class NodeBuilder:
         with self.fake_mode:
             node.meta["val"] = target(*fake_args)
         return node
+
+
+def rewrite_each(
+    graph_module: torch.fx.GraphModule,
+    target,
+    rewrite: Callable[[torch.fx.GraphModule, torch.fx.Node], None],
+    accept: Callable[[torch.fx.Node], bool] = lambda node: True,
+) -> int:
+    """Call ``rewrite(graph_module, node)`` on every call of ``target`` whose first operand
+    is floating point and that ``accept`` takes; recompile if any was; return how many."""
+    changed = 0
+    for node in list(graph_module.graph.nodes):
+        if node.op != "call_function" or node.target != target:
+            continue
+        if not node.args[0].meta["val"].dtype.is_floating_point or not accept(node):
+            continue
+        rewrite(graph_module, node)
+        changed += 1
+    if changed:
+        graph_module.recompile()
+    return changed

@@ -25,7 +25,7 @@ import torch
 
 from .. import nodes, signature
 from .gated import OptionGatedPass
-from .graph_builder import NodeBuilder
+from .graph_builder import NodeBuilder, rewrite_each
 
 # Argument positions of native_layer_norm(input, normalized_shape, weight, bias, eps).
 INPUT, SHAPE, WEIGHT, BIAS, EPS = range(5)
@@ -66,18 +66,12 @@ def _rewrite(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None:
 def rewrite_trainable_layer_norms(graph_module: torch.fx.GraphModule, program) -> int:
     """Rewrite every float ``native_layer_norm`` of ``graph_module`` whose weight or bias
     ``program`` trains; returns how many."""
-    target = nodes.edge_aten().native_layer_norm.default
-    changed = 0
-    for node in list(graph_module.graph.nodes):
-        if node.op != "call_function" or node.target != target:
-            continue
-        if not node.args[INPUT].meta["val"].dtype.is_floating_point or not _trains(node, program):
-            continue
-        _rewrite(graph_module, node)
-        changed += 1
-    if changed:
-        graph_module.recompile()
-    return changed
+    return rewrite_each(
+        graph_module,
+        nodes.edge_aten().native_layer_norm.default,
+        _rewrite,
+        accept=lambda node: _trains(node, program),
+    )
 
 
 class TrainableLayerNorms(OptionGatedPass):

@@ -22,7 +22,7 @@ import torch
 
 from .. import nodes
 from .gated import OptionGatedPass
-from .graph_builder import NodeBuilder
+from .graph_builder import NodeBuilder, rewrite_each
 
 
 def _rewrite(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None:
@@ -38,18 +38,7 @@ def _rewrite(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None:
 
 def rewrite_sigmoids(graph_module: torch.fx.GraphModule) -> int:
     """Rewrite every floating-point ``aten.sigmoid`` of ``graph_module``; returns how many."""
-    target = nodes.edge_aten().sigmoid.default
-    changed = 0
-    for node in list(graph_module.graph.nodes):
-        if node.op != "call_function" or node.target != target:
-            continue
-        if not node.args[0].meta["val"].dtype.is_floating_point:
-            continue
-        _rewrite(graph_module, node)
-        changed += 1
-    if changed:
-        graph_module.recompile()
-    return changed
+    return rewrite_each(graph_module, nodes.edge_aten().sigmoid.default, _rewrite)
 
 
 class StableSigmoid(OptionGatedPass):

@@ -341,3 +341,11 @@ def parse_avg(node: torch.fx.Node) -> AvgPoolBackward:
             f"input {list(pool.in_sizes)} (padding {list(pool.padding)})"
         )
     return pool
+
+
+def window_elements(kernel) -> int:
+    """How many input elements one pooling window covers."""
+    count = 1
+    for k in kernel:
+        count *= k
+    return count

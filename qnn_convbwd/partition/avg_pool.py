@@ -48,10 +48,7 @@ def htp_arch_supported(node, pool, target):
 
 @rule
 def window_size(node, pool, target):
-    count = 1
-    for k in pool.kernel:
-        count *= k
-    if count > MAX_WINDOW:
+    if pg.window_elements(pool.kernel) > MAX_WINDOW:
         return Rejection(
             f"window of more than {MAX_WINDOW} elements (one Pad and Add per element)",
             f"kernel_size={list(pool.kernel)}",

@@ -109,10 +109,7 @@ def float_gradient(node, pool, target):
 @rule
 @also_forward
 def window_size(node, pool, target):
-    count = 1
-    for k in pool.kernel:
-        count *= k
-    if count > MAX_WINDOW:
+    if pg.window_elements(pool.kernel) > MAX_WINDOW:
         return Rejection(
             f"window of more than {MAX_WINDOW} elements (one op chain per element)",
             f"kernel_size={list(pool.kernel)}",

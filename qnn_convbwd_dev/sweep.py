@@ -8,8 +8,9 @@ training graph (``training.export_joint``). Then, per model:
 
 * by default ``qnn_convbwd.decide`` (the rules alone, nothing compiled): cheap;
 * with ``lower=True`` a real lowering (``training.lower_for_training``): the
-  delegate count and the lowering time; with ``step=True`` also one simulator step
-  (loss and every gradient) next to torch's fp32 and fp16 steps from the same weights.
+  delegate count and the lowering time; with ``steps=N`` also N plain SGD steps on
+  the simulator through ``TrainingSession`` (each loss, and the first step's
+  gradients) next to torch's fp32 and fp16 steps from the same weights.
 
 Every op kept on CPU is counted by rule and op, in three kinds (``kind``):
 
@@ -171,50 +172,70 @@ def count_on_cpu(on_cpu: Iterable[Any]) -> dict[str, dict[str, int]]:
     return {k: dict(sorted(c.items())) for k, c in counted.items()}
 
 
-def _gradient_errors(
-    net: nn.Module, x: torch.Tensor, y: torch.Tensor, ours: dict[str, torch.Tensor]
-) -> tuple[float, float, dict[str, tuple[float, float]]]:
-    """torch's fp32 and fp16 loss, and per trained parameter the relative L2 error of
-    ``ours`` and of torch fp16's gradient against torch fp32's (one train() step)."""
-    grads, losses = {}, {}
-    for dtype in (torch.float32, torch.float16):
-        model = copy.deepcopy(net).to(dtype)
+def _torch_steps(
+    net: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, dtype: torch.dtype
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """torch's losses over ``steps`` plain SGD steps of a copy of ``net`` in ``dtype`` on the
+    batch ``(x, y)``, and the first step's gradients (fp32 copies)."""
+    model = copy.deepcopy(net).to(dtype)
+    losses: list[float] = []
+    first: dict[str, torch.Tensor] = {}
+    for index in range(steps):
+        model.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
         loss.backward()
-        losses[dtype] = float(loss)
-        grads[dtype] = {
-            n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None
-        }
-    errors = {}
-    for name, reference in grads[torch.float32].items():
-        scale = max(float(reference.norm()), 1e-30)
-        mine = ours[name].float().reshape(reference.shape)
-        errors[name] = (
-            float((mine - reference).norm()) / scale,
-            float((grads[torch.float16][name] - reference).norm()) / scale,
-        )
-    return losses[torch.float32], losses[torch.float16], errors
+        losses.append(float(loss))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.grad is None:
+                    continue
+                if index == 0:
+                    first[name] = p.grad.float().clone()
+                p.add_(p.grad, alpha=-lr)
+    return losses, first
 
 
-def _step(program: Any, net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
-    """One simulator step of ``program`` against torch fp32 and fp16 from ``net``'s weights."""
+def _steps(
+    program: Any, net: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float
+) -> dict[str, Any]:
+    """``steps`` SGD steps of ``program`` through ``TrainingSession`` on the batch ``(x, y)``
+    against torch's fp32 and fp16 (``.half()``) steps from ``net``'s weights: each loss
+    against its bound (``step_floor.loss_bound``), and the first step's gradients against
+    torch fp32's, beside torch fp16's own error."""
     from qnn_convbwd_dev import step_floor
 
-    session = program.session(lr=0.0)
+    session = program.session(lr=lr)
+    losses, seconds = [], []
     try:
-        loss = float(session.forward_backward([x, y])[0])
-        ours = {program.layout.eager_name(n): g for n, g in session.gradients().items()}
+        for index in range(steps):
+            start = time.perf_counter()
+            losses.append(float(session.forward_backward([x, y])[0]))
+            if index == 0:
+                ours = {program.layout.eager_name(n): g for n, g in session.gradients().items()}
+            session.optimizer_step()
+            seconds.append(time.perf_counter() - start)
     finally:
         session.close()
-    fp32, fp16, errors = _gradient_errors(net, x, y, ours)
-    bound = step_floor.loss_bound(fp32, fp16 - fp32)
+    fp32, reference = _torch_steps(net, x, y, steps, lr, torch.float32)
+    fp16, half = _torch_steps(net, x, y, steps, lr, torch.float16)
+    bounds = [step_floor.loss_bound(a, b - a) for a, b in zip(fp32, fp16)]
+    errors = {}
+    for name, grad in reference.items():
+        scale = max(float(grad.norm()), 1e-30)
+        mine = ours[name].float().reshape(grad.shape)
+        errors[name] = (
+            float((mine - grad).norm()) / scale,
+            float((half[name] - grad).norm()) / scale,
+        )
     worst = max(errors, key=lambda n: errors[n][0] / max(errors[n][1], 1e-12))
     return {
-        "loss": loss,
-        "torch_loss": fp32,
-        "torch_fp16_loss": fp16,
-        "loss_bound": bound,
-        "loss_within": abs(loss - fp32) <= bound,
+        "lr": lr,
+        "losses": losses,
+        "torch_losses": fp32,
+        "torch_fp16_losses": fp16,
+        "loss_bounds": bounds,
+        "losses_within": all(abs(a - b) <= c for a, b, c in zip(losses, fp32, bounds)),
+        "step_seconds": seconds,
         "gradients": len(errors),
         "worst_gradient": worst,
         "worst_error": errors[worst][0],
@@ -233,17 +254,19 @@ def sweep_one(
     batch: int = 4,
     size: int | None = None,
     lower: bool = False,
-    step: bool = False,
+    steps: int = 0,
+    lr: float = 0.01,
     seed: int = 0,
 ) -> Row:
-    """One model: ``decide`` (or, with ``lower``, a real lowering and with ``step`` one
-    simulator step). ``size`` None: 32, or the model's smallest size above that."""
+    """One model: ``decide`` (or, with ``lower``, a real lowering and with ``steps`` that
+    many SGD steps of learning rate ``lr`` on the simulator). ``size`` None: 32, or the
+    model's smallest size above that."""
     import qnn_convbwd
     from qnn_convbwd import training
     from qnn_convbwd.toolchain import harness
 
-    if step and not lower:
-        raise ValueError("step=True needs lower=True")
+    if steps and not lower:
+        raise ValueError("steps need lower=True")
     size = smallest_size(arch) if size is None else size
     net, x, y = train_mode_batch(arch, scheme, batch, size, seed)
     module = training.WithLoss(copy.deepcopy(net), nn.functional.cross_entropy)
@@ -271,8 +294,8 @@ def sweep_one(
         count_on_cpu(program.report.on_cpu),
         delegates=harness.delegate_count(program.edge),
     )
-    if step:
-        row.step = _step(program, net, x, y)
+    if steps:
+        row.step = _steps(program, net, x, y, steps, lr)
     return row
 
 
@@ -310,7 +333,7 @@ def markdown(rows: Sequence[Row]) -> str:
     """One line per model and scheme: ops on CPU per kind, the gaps spelt out."""
     lines = [
         "| model | scheme | px | how | seconds | delegates | state | follows | gaps | "
-        "gap ops (rule) | step |",
+        "gap ops (rule) | SGD steps: loss / torch fp32 |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -320,10 +343,12 @@ def markdown(rows: Sequence[Row]) -> str:
         step = ""
         if r.step is not None:
             s = r.step
+            pairs = ", ".join(
+                f"{mine:.4f}/{theirs:.4f}" for mine, theirs in zip(s["losses"], s["torch_losses"])
+            )
             step = (
-                f"loss {s['loss']:.4f} (torch {s['torch_loss']:.4f}, "
-                f"{'within' if s['loss_within'] else 'OUT'}); worst gradient "
-                f"{s['worst_error']:.1e} (torch fp16 {s['worst_fp16_error']:.1e})"
+                f"losses {pairs} ({'within' if s['losses_within'] else 'OUT'}); worst "
+                f"gradient {s['worst_error']:.1e} (torch fp16 {s['worst_fp16_error']:.1e})"
             )
         lines.append(
             f"| {r.arch} | {r.scheme} | {r.size} | {r.how} | {r.seconds:.0f} | "

@@ -1,11 +1,12 @@
 """Which ops of torchvision's classifiers stay on CPU in ``train()`` (``qnn_convbwd_dev.sweep``).
 
 By default ``qnn_convbwd.decide`` (nothing compiled); ``--lower`` lowers each model
-(minutes to hours for the large ones) and ``--step`` takes one simulator step next
-to torch. Writes ``--out``.md and ``--out``.json and prints the table.
+(minutes to hours for the large ones) and ``--steps N`` takes N SGD steps on the
+simulator through ``TrainingSession`` next to torch's fp32 and fp16 steps. Writes
+``--out``.md and ``--out``.json and prints the table.
 
     python scripts/zoo_sweep.py --out /tmp/zoo_sweep
-    python scripts/zoo_sweep.py --arch resnet18 --lower --step --out /tmp/resnet18
+    python scripts/zoo_sweep.py --arch resnet18 --lower --steps 2 --out /tmp/resnet18
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ def main() -> int:
         "--size", type=int, help="input size (default: 32, or the model's smallest above)"
     )
     parser.add_argument("--lower", action="store_true", help="lower each model for real")
-    parser.add_argument("--step", action="store_true", help="with --lower: one simulator step")
+    parser.add_argument(
+        "--steps", type=int, default=0, help="with --lower: SGD steps on the simulator"
+    )
+    parser.add_argument("--lr", type=float, default=0.01, help="the SGD steps' learning rate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="path without suffix for .md and .json")
     args = parser.parse_args()
-    if args.step and not args.lower:
-        parser.error("--step needs --lower")
+    if args.steps and not args.lower:
+        parser.error("--steps needs --lower")
     logging.basicConfig(level=logging.WARNING)
     done = []
 
@@ -48,7 +52,8 @@ def main() -> int:
         batch=args.batch,
         size=args.size,
         lower=args.lower,
-        step=args.step,
+        steps=args.steps,
+        lr=args.lr,
         seed=args.seed,
     )
     md, js = sweep.write(rows, args.out)

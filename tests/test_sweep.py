@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -98,14 +99,47 @@ def test_resnet18_decide_leaves_only_the_program_state_on_cpu():
     assert row.count("state") > 0  # the running statistics' updates
 
 
-@pytest.mark.slow(reason="lowers resnet18 (last layers) and takes a simulator step")
+@pytest.mark.slow(reason="lowers resnet18 (last layers) and takes two simulator SGD steps")
 def test_lower_and_step_match_torch(qnn_sdk):
     """At batch 2 and 32 px resnet18's last stage normalises two values per channel
     (1x1 maps): torch fp16 itself gets a gradient there 89 % wrong and the loss is as
     ill-conditioned, so the gradients are judged against torch fp16's own error, in
     median and at worst."""
-    row = sweep.sweep_one("resnet18", "last-layers", size=32, batch=2, lower=True, step=True)
+    row = sweep.sweep_one("resnet18", "last-layers", size=32, batch=2, lower=True, steps=2)
     assert row.delegates == 1 and row.count("gap") == 0
+    assert len(row.step["losses"]) == len(row.step["torch_losses"]) == 2
     assert row.step["gradients"] == 17
     assert row.step["median_ratio"] <= 2.0
     assert row.step["worst_error"] <= 2 * row.step["worst_fp16_error"] + 1e-3
+
+
+def test_the_torch_reference_steps_are_torch_optim_sgd():
+    """The sweep's torch side of its SGD steps is torch.optim.SGD to the bit, batch-norm
+    statistics of train() included, and it leaves the model it copies untouched."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 6 * 6, 10),
+    ).train()
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    losses, first = sweep._torch_steps(net, x, y, 3, 0.1, torch.float32)
+    assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())
+
+    model = copy.deepcopy(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, foreach=False)
+    expected = []
+    for index in range(3):
+        optimizer.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        expected.append(float(loss))
+        if index == 0:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+    assert losses == expected
+    assert first.keys() == grads.keys()
+    assert all(torch.equal(first[n], grads[n]) for n in grads)

@@ -52,6 +52,7 @@ from .passes import (
 )
 from .passes import optimizer as optimizer_pass
 from .passes import train_mode as train_mode_pass
+from .passes.adaptive_pool import AdaptivePoolsAsProducts
 from .passes.batch_norm import StableBatchNorm
 from .passes.conv_batch_norm import FoldConvolutionBatchNorm
 from .passes.distribute_mul import DistributeMul
@@ -63,6 +64,7 @@ from .passes.quant_boundary import DequantizeFloatReaders
 from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
+from .passes.strided_scatter import BlockScatters
 from .passes.weight_layout import MoveWeightLayouts
 
 POINTS = (
@@ -303,6 +305,24 @@ def stages() -> tuple[Stage, ...]:
             "layer norms whose weight or bias trains as mean / rsqrt / products, which read "
             "them at run time (executorch's visitor bakes them); before the partitioner's "
             "rule trainable_parameter_baked sees them",
+            hook="transform_passes",
+        ),
+        Stage(
+            "edge",
+            "block_scatters",
+            BlockScatters,
+            "as_strided_scatters whose view is a block of their base (an as_strided's "
+            "backward) as a reshape or a pad of the source: executorch's QNN backend has no "
+            "visitor for them and executorch 1.5.1's runtime no CPU kernel",
+            hook="transform_passes",
+        ),
+        Stage(
+            "edge",
+            "adaptive_pools",
+            AdaptivePoolsAsProducts,
+            "adaptive average pools and their backwards as mm with static averaging "
+            "matrices: executorch's QNN backend has no visitor for _adaptive_avg_pool2d or "
+            "its backward, and executorch 1.5.1's runtime no CPU kernel for the backward",
             hook="transform_passes",
         ),
         Stage(

@@ -289,6 +289,38 @@ def _training_on_v68():
     return relu, judge.Context(htp(program, "SM8350", 68)), None
 
 
+class _Views(nn.Module):
+    """An as_strided_scatter whose view is no block of its base (transposed strides)
+    and an adaptive average pool, in a plain to_edge program: no plugin pass ran."""
+
+    def forward(self, src, x):
+        base = torch.full([12], 0.0)
+        scatter = torch.as_strided_scatter(base, src, [2, 2], [1, 2], 0)
+        return scatter, torch.ops.aten._adaptive_avg_pool2d(x, [3, 3])
+
+
+@functools.cache
+def _views_program():
+    from executorch.exir import EdgeCompileConfig
+
+    with qnn_convbwd.enabled():
+        exported = torch.export.export(_Views(), (torch.randn(2, 2), torch.randn(1, 2, 5, 5)))
+        config = EdgeCompileConfig(_check_ir_validity=False)  # as_strided_scatter: not core
+        return to_edge(exported, compile_config=config).exported_program()
+
+
+@reaches(GRAPH, "strided_scatter_not_a_block")
+def _scatter():
+    program = _views_program()
+    return _first(program, _of("aten.as_strided_scatter.default")), _ctx(program), None
+
+
+@reaches(GRAPH, "adaptive_pool_not_static")
+def _adaptive_pool():
+    program = _views_program()
+    return _first(program, _of("aten._adaptive_avg_pool2d.default")), _ctx(program), None
+
+
 @reaches(GRAPH, "trainable_parameter_baked")
 def _trainable_norm():
     torch.manual_seed(0)

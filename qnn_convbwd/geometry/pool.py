@@ -349,3 +349,14 @@ def window_elements(kernel) -> int:
     for k in kernel:
         count *= k
     return count
+
+
+def adaptive_windows(in_size: int, out_size: int) -> list[tuple[int, int]]:
+    """The input range ``[start, end)`` that each output of an adaptive pool along one
+    axis averages: ``start = floor(i * in / out)``, ``end = ceil((i + 1) * in / out)``
+    (ATen's ``start_index`` / ``end_index`` in ``AdaptivePooling.h``)."""
+    if in_size <= 0 or out_size <= 0:
+        raise PoolArgumentError(f"adaptive pool from {in_size} to {out_size} elements")
+    return [
+        ((i * in_size) // out_size, -((-(i + 1) * in_size) // out_size)) for i in range(out_size)
+    ]

@@ -49,7 +49,7 @@ from ..meta import (
 )
 from ..nodes import origins
 from ..signature import trainable_parameters, trained_in_program
-from . import avg_pool, cpu_kernel, max_pool, support, trainable
+from . import avg_pool, cpu_kernel, max_pool, rewrites, support, trainable
 from .target import MIN_HTP_ARCH, Target, below_min_arch
 from .verdict import Decision, Fallback, Rejection, first_rejection, rules, settle
 
@@ -178,6 +178,32 @@ def trainable_parameter_baked(node, context):
     if why is None:
         return None
     return Rejection("reads a trainable parameter, which executorch's visitor bakes", why)
+
+
+@graph_rule
+def strided_scatter_not_a_block(node, context):
+    """An ``as_strided_scatter`` that ``passes/strided_scatter.py`` could not write as a
+    reshape or a pad of its source (``rewrites.scatter_refusal``)."""
+    if not rewrites.is_scatter(node):
+        return None
+    why = rewrites.scatter_refusal(node)
+    if why is None:
+        return Rejection("the rewrite into a reshape or a pad (block_scatters) did not run")
+    return Rejection(
+        "not a block of its base, which the rewrite into a reshape or a pad needs", why
+    )
+
+
+@graph_rule
+def adaptive_pool_not_static(node, context):
+    """An adaptive average pool (or its backward) that ``passes/adaptive_pool.py`` could
+    not write as products with averaging matrices (``rewrites.adaptive_pool_refusal``)."""
+    if not rewrites.is_adaptive_pool(node):
+        return None
+    why = rewrites.adaptive_pool_refusal(node)
+    if why is None:
+        return Rejection("the rewrite into products (adaptive_pools) did not run")
+    return Rejection("its averaging matrices need static floating-point shapes", why)
 
 
 @graph_rule
@@ -671,6 +697,14 @@ def _warn_about_consequences(node: torch.fx.Node, verdict: Decision) -> None:
             "%s %s: stays on CPU (%s), where executorch 1.5.1's runtime has no kernel for "
             "it: the program fails to load",
             avg_pool.OP,
+            node.name,
+            verdict.reason,
+        )
+    elif rewrites.missing_cpu_kernel(node):
+        logger.warning(
+            "%s %s: stays on CPU (%s), where executorch 1.5.1's runtime has no kernel for "
+            "it: the program fails to load",
+            op_name(node),
             node.name,
             verdict.reason,
         )

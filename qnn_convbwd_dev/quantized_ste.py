@@ -106,6 +106,74 @@ def adapted_cifar(
     return model
 
 
+class InputAdapted(nn.Module):
+    """A trainable 1x1 convolution (from the identity) in front of a converted model."""
+
+    def __init__(self, converted: nn.Module, channels: int = 3) -> None:
+        super().__init__()
+        self.input_adapter = nn.Conv2d(channels, channels, 1)
+        with torch.no_grad():
+            self.input_adapter.weight.copy_(torch.eye(channels).view(channels, channels, 1, 1))
+            self.input_adapter.bias.zero_()
+        self.model = converted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(self.input_adapter(x))
+
+
+def adapted_torchvision(name: str, dtype: str = "8a8w", seed: int = 0) -> InputAdapted:
+    """torchvision's ``name`` (seeded random weights, 10 classes, eval()), quantized whole
+    with ``dtype`` and calibrated on seeded 32x32 batches, behind a trainable input
+    adapter: only the adapter trains."""
+    from qnn_convbwd.torchvision_import import import_torchvision
+
+    torchvision = import_torchvision()
+    torch.manual_seed(seed)
+    net = getattr(torchvision.models, name)(num_classes=10).eval()
+    gen = torch.Generator().manual_seed(seed)
+    images = [
+        torch.randn(qb.BATCH, 3, qb.SIZE, qb.SIZE, generator=gen)
+        for _ in range(qb.CALIBRATION_BATCHES)
+    ]
+    model = InputAdapted(_converted(net, images, dtype))
+    for parameter_name, parameter in model.named_parameters():
+        parameter.requires_grad_(parameter_name.startswith("input_adapter."))
+    return model
+
+
+def qat_cifar(dtype: str = "8a8w", qat_steps: int = 3, seed: int = 0) -> InputAdapted:
+    """ExecuTorch's CIFAR model trained for ``qat_steps`` SGD steps with
+    quantization-aware training of its features (``QnnQuantizer(is_qat=True)``,
+    ``prepare_qat_pt2e``), then converted (``convert_pt2e``) and put behind a trainable
+    input adapter; the adapter and the classifier train on."""
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+    from torchao.quantization.pt2e import move_exported_model_to_eval
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
+
+    from qnn_convbwd import finetune
+
+    net = finetune.architecture("cifar", seed=seed).eval()
+    quantizer = QnnQuantizer()
+    quantizer.set_default_quant_config(
+        getattr(QuantDtype, qb.DTYPES[dtype]), is_qat=True, is_conv_per_channel=True
+    )
+    example = torch.zeros(qb.BATCH, 3, qb.SIZE, qb.SIZE)
+    features = torch.export.export(net.features, (example,), strict=True).module()
+    prepared = prepare_qat_pt2e(features, quantizer)
+    head = net.classifier
+    optimizer = torch.optim.SGD([*prepared.parameters(), *head.parameters()], lr=0.01)
+    for x, y in qb.batches(qat_steps, seed=seed + 100):
+        loss = nn.functional.cross_entropy(head(torch.flatten(prepared(x), 1)), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    move_exported_model_to_eval(prepared)
+    model = InputAdapted(qb.QuantizedBackbone(convert_pt2e(prepared), head))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith(("input_adapter.", "model.classifier.")))
+    return model
+
+
 def reference(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with the straight-through estimator: what torch trains."""
     from qnn_convbwd import quantized
@@ -164,6 +232,7 @@ def gradient_agreement(model: nn.Module, program, batch) -> dict[str, tuple[floa
 
 @dataclasses.dataclass
 class Measurement:
+    model: str
     adapters: tuple[str, ...]
     dtype: str
     soc: str
@@ -181,14 +250,22 @@ def measure(
     soc: str = "SM8650",
     steps: int = 3,
     lr: float = 0.05,
+    model_name: str = "cifar",
 ) -> Measurement:
     """Quantize, lower for training (the context and lowering caches off), step
-    ``steps`` times beside torch, and compare one step's gradients."""
+    ``steps`` times beside torch, and compare one step's gradients. ``model_name``:
+    ``"cifar"`` (``adapted_cifar`` with ``adapters``), ``"cifar_qat"`` (``qat_cifar``)
+    or a torchvision model (``adapted_torchvision``: an input adapter)."""
     import qnn_convbwd
     from qnn_convbwd import training
     from qnn_convbwd.toolchain import harness
 
-    model = adapted_cifar(dtype, adapters)
+    if model_name == "cifar":
+        model: nn.Module = adapted_cifar(dtype, adapters)
+    elif model_name == "cifar_qat":
+        model, adapters = qat_cifar(dtype), ("input",)
+    else:
+        model, adapters = adapted_torchvision(model_name, dtype), ("input",)
     data = qb.batches(steps + 2)
     with qnn_convbwd.enabled(context_cache=False, lowering_cache=False):
         program = training.lower_for_training(
@@ -198,6 +275,7 @@ def measure(
         )
     done = train_both(model, program, data[1:-1], lr)
     return Measurement(
+        model=model_name,
         adapters=tuple(adapters),
         dtype=dtype,
         soc=soc,
@@ -208,3 +286,20 @@ def measure(
         loss_gaps=[abs(a - b) for a, b, _ in done],
         gradients=gradient_agreement(model, program, data[-1]),
     )
+
+
+def markdown_row(m: Measurement) -> str:
+    gaps = ", ".join(f"{g:.1e}" for g in m.loss_gaps)
+    steps = ", ".join(f"{s:.2f}" for s in m.step_seconds)
+    grads = ", ".join(f"{n} {c:.3f} / {r:.2f}" for n, (c, r) in m.gradients.items())
+    return (
+        f"| {m.model} | {', '.join(m.adapters)} | {m.dtype} | {m.soc} | {m.delegates} | "
+        f"{m.on_cpu} | {m.lower_seconds:.1f} | {steps} | {gaps} | {grads} |"
+    )
+
+
+MARKDOWN_HEAD = (
+    "| model | adapters | quantization | SoC | delegates | ops on CPU | lower s | step s "
+    "| loss gap per step | gradient cosine / norm ratio |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)

@@ -48,6 +48,12 @@ def is_quantized_weight(weight_node: torch.fx.Node) -> bool:
     return bool(weight_node.meta.get(integration.get("QCOM_QUANT_ATTRS")))
 
 
+def filter_dtype(weight_node: torch.fx.Node) -> torch.dtype:
+    """The dtype of the filters grad_input builds from a weight: float for a quantized
+    weight, which reaches them dequantized."""
+    return torch.float32 if is_quantized_weight(weight_node) else weight_node.meta["val"].dtype
+
+
 def weight_scales(weight_node: torch.fx.Node) -> torch.Tensor:
     """A quantized weight's scale per output channel (one value repeated when the weight is
     quantized per tensor), from executorch's quantization metadata."""
@@ -268,9 +274,9 @@ def _hwoi_from(visitor, weight_node, hwio, ops: list, order, nodes_to_wrappers) 
     hwio_shape = [int(weight.shape[i]) for i in geo.oihw_to_hwio(spatial)]
     perm = [geo.hwio_to_hwoi(spatial)[i] for i in _order_kernel(order, spatial)]
     hwoi_shape = [hwio_shape[i] for i in perm]
-    # A quantized weight reaches here dequantized: its filter is float.
-    dtype = torch.float32 if is_quantized_weight(weight_node) else weight.dtype
-    hwoi = qnn_ops.native_tensor(visitor, name, hwoi_shape, dtype, nodes_to_wrappers)
+    hwoi = qnn_ops.native_tensor(
+        visitor, name, hwoi_shape, filter_dtype(weight_node), nodes_to_wrappers
+    )
     return WeightTensors(
         hwio, hwoi, [*ops, qnn_ops.transpose(f"{name}_transpose", hwio, hwoi, perm)]
     )
@@ -303,7 +309,7 @@ def _dilated_in_graph(
     if cached is not None:
         return WeightTensors(plain.hwio, cached, plain.ops)
     channels = int(value.shape[0]) * int(value.shape[1])
-    dtype = value.dtype
+    dtype = filter_dtype(weight_node)
 
     def tensor(suffix: str, shape):
         return qnn_ops.native_tensor(visitor, f"{name}_{suffix}", shape, dtype, nodes_to_wrappers)

@@ -35,8 +35,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# The integer dtype a quantize of this range produces: the fake quantize keeps only the
-# range, and the lowering gives the pair back its dtype from it.
+# The full 8- and 16-bit ranges the estimator takes, each with its integer dtype (a
+# quantizer may store a range in a wider dtype: QnnQuantizer's 16-bit activations are
+# int32 tensors over [0, 65535]).
 RANGE_DTYPES: dict[tuple[int, int], torch.dtype] = {
     (0, 255): torch.uint8,
     (-128, 127): torch.int8,
@@ -90,11 +91,18 @@ def _parameters(quantize: torch.fx.Node, dequantize: torch.fx.Node) -> tuple:
             f"({list(dq_args)} against {list(q_args)})"
         )
     scale, zero_point, quant_min, quant_max, dtype = q_args
-    if RANGE_DTYPES.get((quant_min, quant_max)) != dtype:
-        known = ", ".join(f"{d} {list(r)}" for r, d in RANGE_DTYPES.items())
+    holds = (
+        isinstance(dtype, torch.dtype)
+        and not dtype.is_floating_point
+        and dtype != torch.bool
+        and torch.iinfo(dtype).min <= quant_min
+        and quant_max <= torch.iinfo(dtype).max
+    )
+    if (quant_min, quant_max) not in RANGE_DTYPES or not holds:
+        known = ", ".join(f"[{lo}, {hi}]" for lo, hi in RANGE_DTYPES)
         raise StraightThroughError(
-            f"{quantize.name}: {dtype} over [{quant_min}, {quant_max}] is not a full integer "
-            f"range the lowering knows ({known})"
+            f"{quantize.name}: {dtype} over [{quant_min}, {quant_max}] is not a full 8- or "
+            f"16-bit range the lowering knows ({known}) in an integer dtype that holds it"
         )
     if not isinstance(scale, float) or not isinstance(zero_point, int):
         raise StraightThroughError(

@@ -136,6 +136,23 @@ def test_straight_through_refuses_a_pair_with_two_parameters():
     assert str(module.graph) == graph, "nothing changes when a pair is refused"
 
 
+class _Wide(nn.Module):
+    """QnnQuantizer's 16-bit activations: an int32 tensor over [0, 65535]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dq_op(
+            q_op(x, 1e-4, 30000, 0, 65535, torch.int32), 1e-4, 30000, 0, 65535, torch.int32
+        )
+
+
+def test_sixteen_bit_activations_in_int32_are_taken():
+    module = _traced(_Wide())
+    x = torch.randn(512)
+    before = module(x)
+    assert quantized.straight_through(module) == 1
+    assert torch.equal(module(x), before)
+
+
 def test_the_joint_graph_rewrite_keeps_every_value():
     """``lower_fake_quantizes`` on the joint graph: no straight-through op left, the pairs
     with their integer dtype; the program's loss and gradient equal those of the program
@@ -257,4 +274,51 @@ def test_quantized_weights_stay_int8_and_no_float_copy(qnn_sdk):
 @pytest.mark.htp
 def test_three_sgd_steps_follow_the_straight_through_estimator(qnn_sdk):
     model, program, _ = _lowered("SM8650")
+    _assert_losses_follow_torch(model, program)
+
+
+def _lower(model: nn.Module, soc: str):
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import quantized_backbone as qb
+
+    return training.lower_for_training(
+        training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+        qb.batches(1)[0],
+        harness.compile_specs(soc),
+    )
+
+
+@pytest.mark.htp
+@pytest.mark.slow(reason="a QAT run in torch and another CIFAR lowering")
+def test_a_qat_converted_backbone_trains_its_adapter_on_the_htp(qnn_sdk):
+    """QnnQuantizer(is_qat=True) + prepare_qat_pt2e, three steps of quantization-aware
+    training in torch, convert_pt2e: the converted model lowers as a post-training
+    quantized one (the same program: one delegate, nothing on CPU) and its input adapter
+    and head train on the simulator as torch trains them."""
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import quantized_ste as qs
+
+    model = qs.qat_cifar("8a8w")
+    program = _lower(model, "SM8650")
+    assert program.report.on_cpu == [], program.report.on_cpu_markdown()
+    assert harness.delegate_count(program.edge) == 1
+    _assert_losses_follow_torch(model, program)
+
+
+@pytest.mark.htp
+@pytest.mark.slow(reason="another CIFAR lowering and CPU steps")
+def test_below_v69_the_adapters_train_on_cpu(qnn_sdk):
+    """SM8350 (V68): the training graph stays on CPU as a whole; the estimator's quantize /
+    dequantize pairs were folded away there (executorch's FoldQDQ), so the program
+    computes the backbone's activations in float: its losses stay within the bound of
+    torch's with the estimator."""
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import quantized_ste as qs
+
+    model = qs.adapted_cifar("8a8w")
+    program = _lower(model, "SM8350")
+    assert harness.delegate_count(program.edge) == 0
+    # The convolution_backwards by their own rule, every other node by the graph's.
+    rules = {op.rule for op in program.report.on_cpu}
+    assert rules == {"training_graph_below_v69", "htp_arch_supported"}, rules
     _assert_losses_follow_torch(model, program)

@@ -33,12 +33,15 @@ class GradWeight(nn.Module):
         return nn.functional.conv2d(x.transpose(0, 1), grad.transpose(0, 1), padding=1)
 
 
-def _converted(module: nn.Module, inputs: tuple, dtype: str) -> nn.Module:
+def _converted(module: nn.Module, inputs: tuple, dtype: str, per_channel: bool) -> nn.Module:
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    prepared = prepare_pt2e(
-        torch.export.export(module, inputs, strict=True).module(), qb._quantizer(dtype)
+    quantizer = QnnQuantizer()
+    quantizer.set_default_quant_config(
+        getattr(QuantDtype, qb.DTYPES[dtype]), is_conv_per_channel=per_channel
     )
+    prepared = prepare_pt2e(torch.export.export(module, inputs, strict=True).module(), quantizer)
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):
         prepared(*(torch.randn(t.shape, generator=gen) for t in inputs))
@@ -50,17 +53,24 @@ def main() -> None:
     from qnn_convbwd.toolchain import harness
 
     torch.manual_seed(0)
+    # (module, inputs, weights quantized per channel): a run-time weight quantized per
+    # channel fails executorch's AnnotateQuantAttrs (KeyError 'scale'), so per tensor.
     cases = {
-        "grad_input (TransposeConv2d)": (GradInput().eval(), (torch.randn(4, 32, 8, 8),)),
-        "grad_weight (Conv2d, run-time weight)": (
+        "grad_input (TransposeConv2d)": (
+            GradInput().eval(),
+            (torch.randn(4, 32, 8, 8),),
+            True,
+        ),
+        "grad_weight (Conv2d, run-time weight per tensor)": (
             GradWeight().eval(),
             (torch.randn(4, 16, 8, 8), torch.randn(4, 32, 8, 8)),
+            False,
         ),
     }
     print("| op | quantization | SoC | delegates | error / output range |\n|---|---|---|---|---|")
-    for label, (module, inputs) in cases.items():
+    for label, (module, inputs, per_channel) in cases.items():
         for dtype in ("8a8w", "16a8w"):
-            converted = _converted(module, inputs, dtype)
+            converted = _converted(module, inputs, dtype, per_channel)
             with torch.no_grad():
                 expected = converted(*inputs)
             program = torch.export.export(converted, inputs, strict=True)

@@ -236,6 +236,8 @@ def test_adapters_on_a_quantized_backbone_are_one_delegate(qnn_sdk):
     assert program.report.on_cpu == [], program.report.on_cpu_markdown()
     assert harness.delegate_count(program.edge) == 1
     assert program.report.rows and all(row.delegated for row in program.report.rows)
+    # Built as asked: the quantized weights are no runtime_weight fallback.
+    assert program.report.fallbacks == [], program.report.fallbacks
     (ops,) = graphs
     kinds = collections.Counter(op.op_type for op in ops)
     # Three quantized convolutions forward (plus the adapter's); each grad_input that

@@ -108,8 +108,8 @@ def dequantized_weight_hwio(visitor, weight_node: torch.fx.Node, build_node, nod
     per-channel quantized one the forward Conv2d reads: QNN refuses Dequantize and Cast
     of a per-channel tensor (measured, SM8650: "Op Dequantize does not support
     per-channel quant tensor", the same for Cast), so the forward's tensor cannot be
-    read as float. (A Cast of an unsigned 8-bit static tensor to float, which the HTP
-    validates, gave wrong gradients in the same measurement.)"""
+    read as float. (A Cast of the integers stored as an unsigned 8-bit static tensor, which
+    the HTP validates, gave wrong gradients in the same measurement.)"""
     name = f"{weight_node.name}_convbwd_dequantized"
     cached = nodes_to_wrappers.get(name, {}).get(0)
     if cached is not None:

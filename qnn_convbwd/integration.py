@@ -31,6 +31,11 @@ _QC = "executorch.backends.qualcomm"
 # (module, attribute path, what the plugin does with it)
 INTERNALS: tuple[tuple[str, str, str], ...] = (
     (f"{_QC}.builders.node_visitor", "NodeVisitor", "base class of the visitor"),
+    (
+        f"{_QC}.builders.node_visitor",
+        "NodeVisitor.make_qnn_per_tensor_config",
+        "a per-tensor quantization of a static tensor (a weight's integers)",
+    ),
     (f"{_QC}.builders.node_visitor_manager", "_node_visitor_dict", "visitor registration"),
     (f"{_QC}.builders.qnn_constants", "OpTranspose", "QNN op/param names"),
     (f"{_QC}.builders.qnn_constants", "OpTransposeConv2d", "QNN op/param names"),
@@ -60,6 +65,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "patched: answered from a frozen signature",
     ),
     (f"{_QC}.utils.constants", "QCOM_QUANT_ATTRS", "quantization metadata key"),
+    (f"{_QC}.utils.constants", "QCOM_DTYPE", "quantization key (a weight's integers)"),
+    (f"{_QC}.utils.constants", "QCOM_SCALE", "quantization key (a weight's integers)"),
+    (f"{_QC}.utils.constants", "QCOM_ZERO_POINT", "quantization key (a weight's integers)"),
+    (f"{_QC}.utils.constants", "QCOM_QUANT_MIN", "quantization key (a weight's integers)"),
+    (f"{_QC}.utils.constants", "QCOM_QUANT_MAX", "quantization key (a weight's integers)"),
     (f"{_QC}.utils.constants", "QCOM_DATA", "scalar param key"),
     (f"{_QC}.utils.constants", "QCOM_ORIG_DTYPE", "I64toI32 output dtype key"),
     (f"{_QC}.utils.utils", "get_soc_to_htp_arch_map", "HTP arch gate"),
@@ -119,8 +129,10 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "QNN op names (dilated forward max pool)",
     ),
     (f"{_QC}.builders.qnn_constants", "OpDequantize", "QNN op names (quantized to float)"),
+    (f"{_QC}.builders.qnn_constants", "OpQuantize", "QNN op names (float to quantized)"),
     (f"{_QC}.builders.qnn_constants", "OpDepthToSpace", "QNN op/param names (stride phases)"),
     (f"{_QC}._passes", "RemoveRedundancy", "pass ordering"),
+    (f"{_QC}._passes", "AnnotateQuantAttrs", "pass ordering (quantization passes before it)"),
     (f"{_QC}._passes", "ResolveDebugHandle", "pass ordering"),
     (f"{_QC}._passes.i64_to_i32", "I64toI32._record_original_output_dtype", "patched"),
     (f"{_QC}._passes.i64_to_i32", "I64toI32._preserve_output_dtype", "patched"),
@@ -372,6 +384,9 @@ class Hooks:
     # (original, checker, node); original(skip_node_id_set=None) runs executorch's check,
     # with ``skip_node_id_set`` in place of the checker's own when given.
     is_node_supported: Callable[[Callable[..., bool], Any, Any], bool]
+    # to_edge transform passes run after executorch's RemoveRedundancy, before its
+    # AnnotateQuantAttrs: the quantize / dequantize nodes are still in the graph.
+    quantization_passes: tuple[type, ...] = ()
     # Added to QnnPassManager's to_edge transform passes, in this order, before
     # executorch's LayoutTransform and I64toI32.
     transform_passes: tuple[type, ...] = ()
@@ -596,14 +611,22 @@ def _patch_pass_manager(p: _Patches, hooks: Hooks) -> None:
     pm_cls = owner("QnnPassManager.get_default_pass_activations")
     orig_activations = pm_cls.get_default_pass_activations.__func__
     orig_deps = pm_cls.get_passes_dependency_for_capture_program.__func__
+    quantization_passes = hooks.quantization_passes
     plugin_passes = hooks.transform_passes
     late_passes = hooks.late_transform_passes
+    added = (*quantization_passes, *plugin_passes, *late_passes)
 
     def activations(cls):
-        return [*orig_activations(cls), *((p, True) for p in (*plugin_passes, *late_passes))]
+        return [*orig_activations(cls), *((p, True) for p in added)]
 
     def dependencies(cls):
         deps = orig_deps(cls)
+        earlier = [get("RemoveRedundancy")]
+        for quantization_pass in quantization_passes:
+            deps[quantization_pass] = list(earlier)
+            earlier.append(quantization_pass)
+        annotate = get("AnnotateQuantAttrs")
+        deps[annotate] = [*deps.get(annotate, []), *quantization_passes]
         # After the graph is cleaned up, before the passes that read operands'
         # layout and dtype; ResolveDebugHandle must stay last.
         # After the padded forward max pool is recomposed: its indices' plane is then final.

@@ -84,6 +84,12 @@ STORED_FILTER = "qnn_convbwd_stored_filter"
 # FoldQDQ left the tensor float, it is a copy.
 DEQUANTIZING_COPY = "qnn_convbwd_dequantizing_copy"
 
+# passes/quant_boundary.py: a float copy (``aten._to_copy``) the plugin put between a
+# tensor computed in float and its quantize, before executorch's AnnotateQuantAttrs,
+# which then writes the quantization on the copy. Its visitor
+# (builders/op_dequantize.py) builds QNN's Quantize of the float tensor.
+QUANTIZING_COPY = "qnn_convbwd_quantizing_copy"
+
 ALL = (
     NAME_SEEN,
     PINNED,
@@ -102,4 +108,5 @@ ALL = (
     OPTIMIZER,
     STORED_FILTER,
     DEQUANTIZING_COPY,
+    QUANTIZING_COPY,
 )

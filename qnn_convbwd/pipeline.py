@@ -7,6 +7,9 @@ adds its stages at these points, in this order:
 ==================  ==========================================================
 ``aten``            the ATen program, before executorch decomposes it
                     (``QnnPartitioner.transform_for_pre_decomposition``)
+``quantization``    to_edge transform passes after executorch's
+                    ``RemoveRedundancy``, before its ``AnnotateQuantAttrs``
+                    (quantize / dequantize nodes still in the graph)
 ``edge``            to_edge transform passes: after executorch's clean-up
                     (``RemoveRedundancy``, ``CanonicalizeConv``,
                     ``RecomposePadMaxPool2d``), before ``LayoutTransform`` and
@@ -49,6 +52,7 @@ from .passes import (
     layout,
     preserve_output_dtypes,
     record_output_dtypes,
+    straight_through,
 )
 from .passes import optimizer as optimizer_pass
 from .passes import train_mode as train_mode_pass
@@ -60,7 +64,7 @@ from .passes.erf import ErfAsPolynomials
 from .passes.hardswish import CentredHardActivations
 from .passes.layer_norm import TrainableLayerNorms
 from .passes.loss_scale import ScaleLoss
-from .passes.quant_boundary import DequantizeFloatReaders
+from .passes.quant_boundary import DequantizeFloatReaders, QuantizeFloatProducers
 from .passes.scalar_constants import PairedScalars
 from .passes.shared_constants import MergeConstantReads
 from .passes.sigmoid import StableSigmoid
@@ -69,6 +73,7 @@ from .passes.weight_layout import MoveWeightLayouts
 
 POINTS = (
     "aten",
+    "quantization",
     "edge",
     "canonicalize",
     "late",
@@ -103,6 +108,7 @@ def prepare_aten(program: Any) -> Any:
     """The ``aten`` stages on an ATen program, with the current options."""
     from . import options
 
+    program = straight_through.lower_fake_quantizes(program)
     return train_mode_pass.prepare(program, dropout_seed=options.current.dropout_seed)
 
 
@@ -264,6 +270,15 @@ def stages() -> tuple[Stage, ...]:
         ),
         Stage(
             "aten",
+            "straight_through_estimator",
+            straight_through.lower_fake_quantizes,
+            "run by prepare_aten before train_mode: the straight-through quantizes "
+            "(quantized.straight_through) become quantize / dequantize pairs, which "
+            "executorch's AnnotateQuantAttrs and FoldQDQ fold into quantization metadata; "
+            "their backward is ATen already",
+        ),
+        Stage(
+            "aten",
             "train_mode",
             _pre_decomposition,
             "dropout draws become a counter-based hash on CPU (passes.dropout), then "
@@ -271,6 +286,15 @@ def stages() -> tuple[Stage, ...]:
             "(passes.train_mode): executorch's decompositions and to_edge reject the "
             "train-mode ops, so they go first (option dropout_seed: the masks' keys)",
             hook="pre_decomposition",
+        ),
+        Stage(
+            "quantization",
+            "quantize_float_producers",
+            QuantizeFloatProducers,
+            "a quantizing copy between a tensor computed in float (a trainable adapter "
+            "under a straight-through estimator) and its quantize, which executorch's "
+            "AnnotateQuantAttrs would otherwise write on the float op itself; before it",
+            hook="quantization_passes",
         ),
         Stage(
             "edge",
@@ -620,7 +644,12 @@ def at(point: str) -> tuple[Stage, ...]:
 
 
 # Hooks fields that take every stage naming them, in order.
-_LISTS = ("transform_passes", "late_transform_passes", "after_partition")
+_LISTS = (
+    "quantization_passes",
+    "transform_passes",
+    "late_transform_passes",
+    "after_partition",
+)
 # Hooks fields that take the entries of every stage naming them, in order.
 _CONCATENATED = ("visitor_wraps",)
 
@@ -651,6 +680,7 @@ def hooks() -> integration.Hooks:
             raise ValueError(f"pipeline: two stages fill Hooks.{stage.hook}")
         single.add(stage.hook)
         setattr(filled, stage.hook, stage.run)
+    filled.quantization_passes = tuple(listed.get("quantization_passes", ()))
     filled.transform_passes = tuple(listed.get("transform_passes", ()))
     filled.late_transform_passes = tuple(listed.get("late_transform_passes", ()))
     filled.visitor_wraps = tuple(listed.get("visitor_wraps", ()))

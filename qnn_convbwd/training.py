@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from . import integration, options, progress
+from . import integration, options, progress, quantized
 from .passes import filter_storage
 from .passes import optimizer as optimizer_pass
 
@@ -967,8 +967,17 @@ def lower_for_training(
     call of its ``forward`` is one training step returning the loss
     (``passes.optimizer``); ``loss_scale`` (``DynamicLossScale``, with an optimizer
     only): the program keeps a dynamic loss scale as ``torch.amp.GradScaler`` does.
+
+    A module holding pt2e-converted graphs (activation quantize / dequantize pairs) is
+    lowered through a copy with the straight-through estimator
+    (``quantized.straight_through``): the same forward values, and gradients through
+    the quantized part to the parameters before or inside it; ``module`` is unchanged.
     """
     from .api import enabled, lower
+
+    if quantized.holds_activation_pairs(module):
+        module = copy.deepcopy(module)
+        quantized.straight_through(module)
 
     if loss_scale is not None and optimizer is None:
         raise TypeError("loss_scale=DynamicLossScale(...) needs an in-program optimizer=")

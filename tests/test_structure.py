@@ -310,6 +310,8 @@ LAYERS = (
         "torchvision_import",
         "fit_plot",
         "finetune_data",
+        # the straight-through estimator on a module (torch only)
+        "quantized",
     },
     # signature reads the metadata key of a parameter the program's own optimizer trains.
     {"geometry", "nodes", "signature"},

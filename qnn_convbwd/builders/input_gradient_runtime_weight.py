@@ -104,6 +104,8 @@ def nothing_to_share(visitor, weight_node: torch.fx.Node) -> str | None:
         return "weight is not a graph value"
     if runtime_tensors.reads_at_run_time(visitor, weight_node):
         return "read at run time already (a trainable parameter or a graph input)"
+    if weight_node.meta.get(integration.get("QCOM_QUANT_ATTRS")):
+        return "a quantized weight (grad_input reads its integers dequantized, weights.py)"
     users = list(weight_node.users)
     forward = [u for u in users if _is_forward_conv(u)]
     if not forward or not any(_reads_weight_values(u) for u in users):

@@ -130,10 +130,28 @@ def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
         node, node, visitor.get_tensor(node, node, pg.VALUES), native, nodes_to_wrappers
     )
     indices_value = visitor.get_tensor(node, node, pg.INDICES_OUTPUT).to(torch.int32)
-    indices = visitor.define_tensor(
-        node, node, indices_value, native, nodes_to_wrappers, wrapper_idx=pg.INDICES_OUTPUT
-    )
+    # executorch defines every output of a node with the node's quantization; the indices
+    # of a quantized pool are int32 all the same.
+    key = integration.get("QCOM_QUANT_ATTRS")
+    attrs = node.meta.pop(key, None)
+    try:
+        indices = visitor.define_tensor(
+            node, node, indices_value, native, nodes_to_wrappers, wrapper_idx=pg.INDICES_OUTPUT
+        )
+    finally:
+        if attrs is not None:
+            node.meta[key] = attrs
     b = _Builder(visitor, node, nodes_to_wrappers, pool)
+    # A quantized pool (a pt2e model's, whose backward the straight-through estimator
+    # reaches) is built on its dequantized input, and its values quantized again: the
+    # maximum is one of the inputs, so the round trip is exact, and the -inf padding and
+    # the equalities are those of the float pool.
+    quantized_values = None
+    if source_node.meta.get(integration.get("QCOM_QUANT_ATTRS")):
+        dequantized = b.tensor("dequantized", pool.in_sizes, torch.float32)
+        b.op("dequantized_op", "OpDequantize", [source], [dequantized])
+        source, quantized_values = dequantized, values
+        values = b.tensor("values_float", pool.out_sizes, torch.float32)
     canvas = b.canvas(source)
     offsets = list(pool.offsets())
     slices = [b.window_slice(canvas, number, offset) for number, offset in enumerate(offsets)]
@@ -163,6 +181,8 @@ def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
         out = indices if number == 0 else b.tensor(f"idx{number}", pool.out_sizes, torch.int32)
         b.op(f"idx{number}_op", "OpElementWiseSelect", [mask, table(number), running], [out])
         running = out
+    if quantized_values is not None:
+        b.op("values_quantized_op", "OpQuantize", [values], [quantized_values])
     return b.ops
 
 

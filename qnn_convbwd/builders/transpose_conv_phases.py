@@ -43,7 +43,11 @@ def _kernel_slice(req, hwoi, weight_node, plan: phg.PhasePlan, phase: phg.Phase)
     value = weight_node.meta["val"]
     out_c, in_g = int(value.shape[0]), int(value.shape[1])
     sliced = qnn_ops.native_tensor(
-        req.visitor, name, [*phase.kernel, out_c, in_g], value.dtype, req.nodes_to_wrappers
+        req.visitor,
+        name,
+        [*phase.kernel, out_c, in_g],
+        weights.filter_dtype(weight_node),
+        req.nodes_to_wrappers,
     )
     ranges = [
         *([c, k, s] for c, k, s in zip(phase.offset, plan.kernel, plan.stride)),

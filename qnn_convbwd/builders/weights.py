@@ -42,6 +42,116 @@ def static_weight_hwio(visitor, weight_node: torch.fx.Node, build_node, nodes_to
     )
 
 
+def is_quantized_weight(weight_node: torch.fx.Node) -> bool:
+    """A constant weight the QNN graph holds quantized (executorch's AnnotateQuantAttrs
+    wrote the quantization of its dequantize on it): a pt2e-quantized convolution's."""
+    return bool(weight_node.meta.get(integration.get("QCOM_QUANT_ATTRS")))
+
+
+def filter_dtype(weight_node: torch.fx.Node) -> torch.dtype:
+    """The dtype of the filters grad_input builds from a weight: float for a quantized
+    weight, which reaches them dequantized."""
+    return torch.float32 if is_quantized_weight(weight_node) else weight_node.meta["val"].dtype
+
+
+def weight_scales(weight_node: torch.fx.Node) -> torch.Tensor:
+    """A quantized weight's scale per output channel (one value repeated when the weight is
+    quantized per tensor), from executorch's quantization metadata."""
+    attrs = weight_node.meta[integration.get("QCOM_QUANT_ATTRS")]
+    channels = int(weight_node.meta["val"].shape[0])
+    if "scales" in attrs:
+        return torch.as_tensor(attrs["scales"], dtype=torch.float32).reshape(channels)
+    return torch.full((channels,), float(attrs["scale"]), dtype=torch.float32)
+
+
+def _integer_static(visitor, name: str, integers, dims, nodes_to_wrappers):
+    """A static int8 tensor holding ``integers`` quantized per tensor with scale 1 and
+    offset 0: QNN's Dequantize of it gives the integers as float."""
+    cached = nodes_to_wrappers.get(name, {}).get(0)
+    if cached is not None:
+        return cached
+    get = integration.get
+    encoding, config = visitor.make_qnn_per_tensor_config(
+        {
+            get("QCOM_DTYPE"): torch.int8,
+            get("QCOM_SCALE"): 1.0,
+            get("QCOM_ZERO_POINT"): 0,
+            get("QCOM_QUANT_MIN"): -128,
+            get("QCOM_QUANT_MAX"): 127,
+        }
+    )
+    dtype = visitor.get_data_type(torch.empty(0, dtype=torch.int8), config)
+    data = np.array([]) if integers is None else np.ascontiguousarray(integers)
+    wrapper = get("TensorWrapper")(
+        name,
+        qnn_ops.adaptor_enum("Qnn_TensorType_t").QNN_TENSOR_TYPE_STATIC,
+        dtype,
+        encoding,
+        config,
+        len(dims),
+        [int(d) for d in dims],
+        [],
+        data,
+        integers is not None,
+    )
+    nodes_to_wrappers[name][0] = wrapper
+    return wrapper
+
+
+def dequantized_weight_hwio(visitor, weight_node: torch.fx.Node, build_node, nodes_to_wrappers):
+    """``(ops, hwio)``: a quantized weight's float HWIO tensor for grad_input: QNN's
+    Dequantize of its int8 integers (a static HWIO tensor quantized per tensor with scale
+    1), times each output channel's scale (a static ``[O]`` float tensor). Built once per
+    weight; no float copy is stored.
+
+    The integers are a second static tensor, one byte an element, beside the
+    per-channel quantized one the forward Conv2d reads: QNN refuses Dequantize and Cast
+    of a per-channel tensor (measured, SM8650: "Op Dequantize does not support
+    per-channel quant tensor", the same for Cast), so the forward's tensor cannot be
+    read as float. (A Cast of the integers stored as an unsigned 8-bit static tensor, which
+    the HTP validates, gave wrong gradients in the same measurement.)"""
+    name = f"{weight_node.name}_convbwd_dequantized"
+    cached = nodes_to_wrappers.get(name, {}).get(0)
+    if cached is not None:
+        return [], cached
+    value = weight_node.meta["val"]
+    spatial = value.dim() - 2
+    hwio_shape = [int(value.shape[i]) for i in geo.oihw_to_hwio(spatial)]
+    weight = integration.get("get_parameter")(weight_node, visitor.edge_program)
+    if weight.dtype != torch.int8:
+        raise geo.ConvArgumentError(f"{weight_node.name}: {weight.dtype} weight, not int8")
+    integers = None
+    if not isinstance(weight, FakeTensor):  # real data outside op validation
+        integers = weight.permute(geo.oihw_to_hwio(spatial)).contiguous().numpy()
+    stored = _integer_static(
+        visitor, f"{name}_integers_stored", integers, hwio_shape, nodes_to_wrappers
+    )
+    scales = weight_scales(weight_node)
+    scale_tensor = qnn_ops.static_tensor(
+        f"{name}_scales",
+        scales.reshape([1] * (spatial + 1) + [-1]).numpy(),
+        [1] * (spatial + 1) + [int(scales.numel())],
+        torch.float32,
+        nodes_to_wrappers,
+    )
+    as_float = qnn_ops.native_tensor(
+        visitor, f"{name}_integers", hwio_shape, torch.float32, nodes_to_wrappers
+    )
+    hwio = qnn_ops.native_tensor(visitor, name, hwio_shape, torch.float32, nodes_to_wrappers)
+    ops = [
+        qnn_ops.new_op(
+            f"{name}_dequantize", integration.get("OpDequantize").op_name, [stored], [as_float]
+        ),
+        qnn_ops.new_op(
+            f"{name}_scale",
+            integration.get("OpElementWiseMultiply").op_name,
+            [as_float, scale_tensor],
+            [hwio],
+        ),
+    ]
+    return ops, hwio
+
+
 def hwoi_name(weight_node: torch.fx.Node, order: Sequence[int] = ()) -> str:
     """Name of the HWOI filter; ``order`` (spatial dims reordered) other than the identity
     is part of it."""
@@ -118,8 +228,10 @@ def weight_for_input_gradient(
     run_time = runtime_tensors.reads_at_run_time(visitor, weight_node)
     # A frozen weight the runtime_weight prelude made run-time is dilated in the graph
     # too: no static dilated copy (a block-diagonal filter is not: ``not_applicable``).
-    shared_at_run_time = run_time or runtime_tensors.made_at_run_time(
-        weight_node, nodes_to_wrappers
+    # A quantized weight is dequantized in the graph, and dilated there after.
+    quantized = is_quantized_weight(weight_node)
+    shared_at_run_time = (
+        run_time or quantized or runtime_tensors.made_at_run_time(weight_node, nodes_to_wrappers)
     )
     if geo.own_filter_reason(conv) is not None and not shared_at_run_time:
         return expanded_hwoi(
@@ -131,14 +243,16 @@ def weight_for_input_gradient(
             order,
             nodes_to_wrappers,
         )
+    if (run_time or quantized) and plan.dense_groups > 1:  # partition.support keeps it out
+        raise geo.ConvArgumentError(
+            f"{build_node.name}: a block-diagonal filter cannot be built from a run-time weight"
+        )
     if run_time:
-        if plan.dense_groups > 1:  # partition.support keeps it from the visitor
-            raise geo.ConvArgumentError(
-                f"{build_node.name}: a block-diagonal filter cannot be built from a run-time weight"
-            )
         ops, hwio = runtime_tensors.runtime_hwio(
             visitor, weight_node, build_node, nodes_to_wrappers
         )
+    elif quantized:
+        ops, hwio = dequantized_weight_hwio(visitor, weight_node, build_node, nodes_to_wrappers)
     else:
         ops, hwio = [], static_weight_hwio(visitor, weight_node, build_node, nodes_to_wrappers)
     plain = _hwoi_from(visitor, weight_node, hwio, ops, order, nodes_to_wrappers)
@@ -160,7 +274,9 @@ def _hwoi_from(visitor, weight_node, hwio, ops: list, order, nodes_to_wrappers) 
     hwio_shape = [int(weight.shape[i]) for i in geo.oihw_to_hwio(spatial)]
     perm = [geo.hwio_to_hwoi(spatial)[i] for i in _order_kernel(order, spatial)]
     hwoi_shape = [hwio_shape[i] for i in perm]
-    hwoi = qnn_ops.native_tensor(visitor, name, hwoi_shape, weight.dtype, nodes_to_wrappers)
+    hwoi = qnn_ops.native_tensor(
+        visitor, name, hwoi_shape, filter_dtype(weight_node), nodes_to_wrappers
+    )
     return WeightTensors(
         hwio, hwoi, [*ops, qnn_ops.transpose(f"{name}_transpose", hwio, hwoi, perm)]
     )
@@ -193,7 +309,7 @@ def _dilated_in_graph(
     if cached is not None:
         return WeightTensors(plain.hwio, cached, plain.ops)
     channels = int(value.shape[0]) * int(value.shape[1])
-    dtype = value.dtype
+    dtype = filter_dtype(weight_node)
 
     def tensor(suffix: str, shape):
         return qnn_ops.native_tensor(visitor, f"{name}_{suffix}", shape, dtype, nodes_to_wrappers)

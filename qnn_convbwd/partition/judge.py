@@ -452,14 +452,6 @@ def no_visitor(node, context):
     return Rejection("executorch's QNN backend has no visitor for this op", name)
 
 
-def _quantization_attrs(attrs: dict) -> str:
-    """``uint8 scale=0.0035 zero_point=0`` (per tensor) or ``int8 per-channel axis=0``."""
-    dtype = str(attrs.get("dtype", "?")).replace("torch.", "")
-    if "scale" in attrs and not isinstance(attrs["scale"], torch.Tensor):
-        return f"{dtype} scale={float(attrs['scale']):.6g} zero_point={attrs.get('zero_point')}"
-    return f"{dtype} per-channel axis={attrs.get('axis')}"
-
-
 def quantization(node: torch.fx.Node) -> str:
     """How ``node``'s output and tensor operands are quantized (executorch's
     ``QCOM_QUANT_ATTRS``), e.g. ``output uint8 scale=0.02 zero_point=128; input
@@ -469,7 +461,7 @@ def quantization(node: torch.fx.Node) -> str:
     for role, tensor in (("output", node), *((f"input {a.name}", a) for a in node.all_input_nodes)):
         attrs = tensor.meta.get(key)
         if attrs:
-            parts.append(f"{role} {_quantization_attrs(attrs)}")
+            parts.append(f"{role} {support.describe_quantization(attrs)}")
     return "; ".join(parts)
 
 

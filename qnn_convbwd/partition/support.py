@@ -153,52 +153,70 @@ def _is_dequantize(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and "dequantize" in name
 
 
-def _quantized_by_metadata(node: torch.fx.Node) -> str | None:
-    """Which operand or output of ``node`` carries QCOM_QUANT_ATTRS, if any.
+def describe_quantization(attrs: dict) -> str:
+    """``uint8 scale=0.0035 zero_point=0`` (per tensor) or ``int8 per-channel axis=0``."""
+    dtype = str(attrs.get("dtype", "?")).replace("torch.", "")
+    if "scale" in attrs and not isinstance(attrs["scale"], torch.Tensor):
+        return f"{dtype} scale={float(attrs['scale']):.6g} zero_point={attrs.get('zero_point')}"
+    return f"{dtype} per-channel axis={attrs.get('axis')}"
 
-    After executorch's AnnotateQuantAttrs and FoldQDQ the Q/DQ nodes of
-    activations are gone and their parameters live in ``meta[QCOM_QUANT_ATTRS]``
-    of the producer (and of the node whose output was quantized). A quantized
-    parameter keeps its dequantize (marked bypass), and a quantized activation read
-    as float is read through a dequantizing copy (``passes.quant_boundary``); the
-    attributes sit on the tensor behind either.
-    """
-    key = integration.get("QCOM_QUANT_ATTRS")
-    candidates = []
-    for role, operand in (
-        ("grad_output", node.args[geo.GRAD_OUTPUT]),
-        ("weight", _weight_node(node)),
-    ):
-        candidates.append((role, operand))
-        # A quantized weight keeps its dequantize; a quantized activation reaches a
-        # float reader through passes.quant_boundary's copy. The attributes sit on the
-        # tensor before either.
-        if (_is_dequantize(operand) or operand.meta.get(DEQUANTIZING_COPY)) and isinstance(
-            operand.args[0], torch.fx.Node
-        ):
-            candidates.append((role, operand.args[0]))
-    candidates.append(("output", node))
-    for role, operand in candidates:
-        if operand.meta.get(key):
-            return f"{role}={operand.name} has QCOM_QUANT_ATTRS ({key!r})"
-    return None
+
+def _quantized_weight(node: torch.fx.Node) -> tuple[torch.fx.Node, dict] | None:
+    """``(the stored weight, its quantization)`` when ``node``'s weight is the bypassed
+    dequantize of a quantized constant (a pt2e-quantized convolution's)."""
+    weight = _weight_node(node)
+    if not _is_dequantize(weight) or not isinstance(weight.args[0], torch.fx.Node):
+        return None
+    attrs = weight.args[0].meta.get(integration.get("QCOM_QUANT_ATTRS"))
+    return (weight.args[0], attrs) if attrs else None
 
 
 @rule
 def not_quantized(node, conv, target):
-    # Before weight_values: a quantized weight reaches the node through a
-    # dequantize, which must be reported as quantization, not as a computed weight.
-    found = _quantized_by_metadata(node)
-    if found is None:
-        # Second line: a graph that has not been through FoldQDQ still has the
-        # dequantize producers.
-        for role, operand in (
-            ("grad_output", node.args[geo.GRAD_OUTPUT]),
-            ("weight", _weight_node(node)),
+    # Before weight_values: a quantized weight reaches the node through a dequantize,
+    # which must be reported as quantization, not as a computed weight. A quantized
+    # weight serves grad_input dequantized in the graph (builders/weights.py): the
+    # operands that stay refused are the activations and the gradients.
+    stored = _quantized_weight(node)
+    if stored is not None:
+        weight, attrs = stored
+        quantization = f"weight={weight.name} {describe_quantization(attrs)}"
+        if conv.output_mask[1] or conv.output_mask[2]:
+            return Rejection(
+                "grad_weight / grad_bias of a quantized (frozen) weight are not lowered",
+                f"{quantization}, output_mask={list(conv.output_mask)}",
+            )
+        if not integration.get("is_parameter")(weight, target.edge_program) or (
+            signature.is_trainable_parameter(weight, target.edge_program)
         ):
-            if _is_dequantize(operand):
-                found = f"{role}={operand.name} is produced by a dequantize"
-                break
+            return Rejection(
+                "a quantized weight that is not a frozen constant of the program",
+                quantization,
+            )
+        if conv.groups > 1 and not geo.transpose_conv_applies_groups(conv.spatial_dims):
+            return Rejection(
+                f"a grouped {conv.spatial_dims}-D grad_input needs a block-diagonal filter, "
+                "which is not built from a quantized weight",
+                f"{quantization}, groups={conv.groups}",
+            )
+    found = None
+    key = integration.get("QCOM_QUANT_ATTRS")
+    for role, operand in (("grad_output", node.args[geo.GRAD_OUTPUT]), ("output", node)):
+        behind = operand
+        if (_is_dequantize(operand) or operand.meta.get(DEQUANTIZING_COPY)) and isinstance(
+            operand.args[0], torch.fx.Node
+        ):
+            behind = operand.args[0]
+        attrs = behind.meta.get(key) or operand.meta.get(key)
+        if attrs:
+            found = f"{role}={behind.name} has QCOM_QUANT_ATTRS: {describe_quantization(attrs)}"
+            break
+        if _is_dequantize(operand):
+            # A graph that has not been through FoldQDQ still has the dequantizes.
+            found = f"{role}={operand.name} is produced by a dequantize"
+            break
+    if found is None and stored is None and _is_dequantize(_weight_node(node)):
+        found = f"weight={_weight_node(node).name} is produced by a dequantize"
     if found is not None:
         return Rejection("quantized operand or output", found)
     return None

@@ -25,12 +25,13 @@ folds every activation dequantize, its visitors read through one
 from __future__ import annotations
 
 import logging
+import operator
 
 import torch
 from torch.fx.passes.infra.pass_base import PassBase, PassResult
 
-from .. import integration
-from ..meta import DEQUANTIZING_COPY
+from .. import integration, signature
+from ..meta import DEQUANTIZING_COPY, QUANTIZING_COPY
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +50,14 @@ def _quantize_ops() -> set:
 
 
 def _floating(node: torch.fx.Node) -> bool:
-    """A floating output (the first output of a node with several: a max pool's values)."""
+    """A floating output (the first output of a node with several: a max pool's values),
+    or a boolean one (a comparison, which reads its operands as float)."""
     value = node.meta.get("val")
     if isinstance(value, (tuple, list)) and value:
         value = value[0]
-    return isinstance(value, torch.Tensor) and value.dtype.is_floating_point
+    return isinstance(value, torch.Tensor) and (
+        value.dtype.is_floating_point or value.dtype == torch.bool
+    )
 
 
 def is_dequantizing_copy(node: object) -> bool:
@@ -131,3 +135,93 @@ class DequantizeFloatReaders(PassBase):
 
     def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
         return PassResult(graph_module, dequantize_float_readers(graph_module) > 0)
+
+
+# --- the other way: a tensor computed in float, quantized for quantized readers ---------
+
+
+def _dequantize_ops() -> set:
+    ops = integration.get("ops").edge.quantized_decomposed
+    return {
+        ops.dequantize_per_tensor.default,
+        ops.dequantize_per_tensor.tensor,
+        ops.dequantize_per_channel.default,
+    }
+
+
+def _float_operands(node: torch.fx.Node) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((node.args, node.kwargs), found.append)
+    return [
+        n
+        for n in found
+        if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dtype.is_floating_point
+    ]
+
+
+def computed_in_float(node: torch.fx.Node, edge_program=None) -> bool:
+    """Whether ``node`` computes in float: an op reading a float tensor that no dequantize
+    produced, the output of another op or a trainable parameter (an adapter's weight).
+    A graph input or a frozen parameter read directly is not a sign (executorch
+    quantizes a delegate's quantized inputs itself, and an op reads some operands only
+    for their shape), nor a node that is no op."""
+    if node.op != "call_function":
+        return False
+    if node.target == operator.getitem:
+        return computed_in_float(node.args[0], edge_program)
+    dequantizes = _dequantize_ops()
+    for operand in _float_operands(node):
+        if operand.op == "placeholder":
+            if edge_program is not None and signature.is_trainable_parameter(operand, edge_program):
+                return True
+        elif operand.target not in dequantizes:
+            return True
+    return False
+
+
+def quantize_float_producers(graph_module: torch.fx.GraphModule, edge_program=None) -> int:
+    """Insert a quantizing copy between each quantize and the tensor it reads when that
+    tensor is computed in float; returns how many were inserted. Runs before
+    executorch's AnnotateQuantAttrs, which then writes the quantization on the copy, not
+    on the float op (whose visitor would build it as a quantized op)."""
+    ops = integration.get("ops").edge
+    quantizes = {
+        ops.quantized_decomposed.quantize_per_tensor.default,
+        ops.quantized_decomposed.quantize_per_tensor.tensor,
+    }
+    inserted = 0
+    for quantize in list(graph_module.graph.nodes):
+        if quantize.op != "call_function" or quantize.target not in quantizes:
+            continue
+        source = quantize.args[0]
+        if not isinstance(source, torch.fx.Node) or not computed_in_float(source, edge_program):
+            continue
+        value = source.meta["val"]
+        with graph_module.graph.inserting_before(quantize):
+            copy = graph_module.graph.create_node(
+                "call_function", ops.aten._to_copy.default, (source,), {"dtype": value.dtype}
+            )
+        copy.meta["val"] = value
+        for name in ("nn_module_stack", "stack_trace"):
+            if name in source.meta:
+                copy.meta[name] = source.meta[name]
+        copy.meta[QUANTIZING_COPY] = True
+        quantize.replace_input_with(source, copy)
+        logger.debug("%s: quantized through a copy for %s", source.name, quantize.name)
+        inserted += 1
+    if inserted:
+        graph_module.recompile()
+    return inserted
+
+
+class QuantizeFloatProducers(PassBase):
+    """to_edge transform pass running ``quantize_float_producers`` (before
+    AnnotateQuantAttrs)."""
+
+    def __init__(self, edge_program=None) -> None:
+        super().__init__()
+        self.edge_program = edge_program
+
+    def call(self, graph_module: torch.fx.GraphModule) -> PassResult:
+        changed = quantize_float_producers(graph_module, self.edge_program)
+        return PassResult(graph_module, changed > 0)

@@ -1,0 +1,305 @@
+"""Trainable layers before and between the blocks of a pt2e-quantized frozen backbone,
+trained through the straight-through estimator (docs/quantized.md).
+
+The model is ExecuTorch's CIFAR example: its ``features`` (three conv / relu / max-pool
+blocks) calibrated and converted with executorch's ``QnnQuantizer`` (per-channel
+convolution weights), as ``quantized_backbone.quantized_cifar`` does, but in two
+pieces: the first block and the other two, so that an adapter can sit between them.
+What trains:
+
+* ``"input"``: a 1x1 convolution on the input (initialised to the identity);
+* ``"between"``: a per-channel scale and bias between the first block and the rest
+  (initialised to 1 and 0);
+* the classifier (float).
+
+The reference is the same module after ``quantized.straight_through`` in fp32 torch,
+trained by ``torch.optim.SGD``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import torch
+from torch import nn
+
+from . import quantized_backbone as qb
+
+ADAPTERS = ("input", "between")
+FIRST_BLOCK = 3  # modules of ``features`` in the first block: conv, relu, max pool
+
+
+class ChannelAffine(nn.Module):
+    """``x * scale + bias`` per channel (NCHW), from the identity."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1, channels, 1, 1))
+        self.bias = nn.Parameter(torch.zeros(1, channels, 1, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale + self.bias
+
+
+class AdaptedBackbone(nn.Module):
+    """An input adapter, the first converted block, an adapter, the other converted
+    blocks, the float classifier."""
+
+    def __init__(self, first: nn.Module, rest: nn.Module, head: nn.Module, adapters) -> None:
+        super().__init__()
+        self.input_adapter = nn.Conv2d(3, 3, 1) if "input" in adapters else nn.Identity()
+        if isinstance(self.input_adapter, nn.Conv2d):
+            with torch.no_grad():
+                self.input_adapter.weight.copy_(torch.eye(3).view(3, 3, 1, 1))
+                self.input_adapter.bias.zero_()
+        self.first = first
+        channels = int(first(torch.zeros(qb.BATCH, 3, qb.SIZE, qb.SIZE)).shape[1])
+        self.between = ChannelAffine(channels) if "between" in adapters else nn.Identity()
+        self.rest = rest
+        self.classifier = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.rest(self.between(self.first(self.input_adapter(x))))
+        return self.classifier(torch.flatten(y, 1))
+
+
+def _converted(module: nn.Module, batches: list[torch.Tensor], dtype: str) -> nn.Module:
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    exported = torch.export.export(module, (batches[0],), strict=True).module()
+    prepared = prepare_pt2e(exported, qb._quantizer(dtype))
+    for batch in batches:
+        prepared(batch)
+    return convert_pt2e(prepared)
+
+
+def adapted_cifar(
+    dtype: str = "8a8w", adapters: tuple[str, ...] = ADAPTERS, seed: int = 0
+) -> AdaptedBackbone:
+    """ExecuTorch's CIFAR model (weights from ``seed``), its features quantized with
+    ``dtype`` in two pieces calibrated on seeded batches, with ``adapters`` (a subset of
+    ``ADAPTERS``); the adapters and the classifier train, in eval() (no dropout)."""
+    from qnn_convbwd import finetune
+
+    unknown = sorted(set(adapters) - set(ADAPTERS))
+    if unknown:
+        raise ValueError(f"unknown adapters {unknown}: choose from {', '.join(ADAPTERS)}")
+    net = finetune.architecture("cifar", seed=seed).eval()
+    gen = torch.Generator().manual_seed(seed)
+    images = [
+        torch.randn(qb.BATCH, 3, qb.SIZE, qb.SIZE, generator=gen)
+        for _ in range(qb.CALIBRATION_BATCHES)
+    ]
+    first_float = net.features[:FIRST_BLOCK]
+    with torch.no_grad():
+        middle = [first_float(batch) for batch in images]
+    first = _converted(first_float, images, dtype)
+    rest = _converted(net.features[FIRST_BLOCK:], middle, dtype)
+    model = AdaptedBackbone(first, rest, net.classifier, adapters)
+    frozen = ("first.", "rest.")
+    for name, parameter in model.named_parameters():
+        # The converted graphs keep the float originals of the quantized weights as
+        # unused attributes: they stay frozen.
+        parameter.requires_grad_(not name.startswith(frozen))
+    return model
+
+
+class InputAdapted(nn.Module):
+    """A trainable 1x1 convolution (from the identity) in front of a converted model."""
+
+    def __init__(self, converted: nn.Module, channels: int = 3) -> None:
+        super().__init__()
+        self.input_adapter = nn.Conv2d(channels, channels, 1)
+        with torch.no_grad():
+            self.input_adapter.weight.copy_(torch.eye(channels).view(channels, channels, 1, 1))
+            self.input_adapter.bias.zero_()
+        self.model = converted
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(self.input_adapter(x))
+
+
+def adapted_torchvision(name: str, dtype: str = "8a8w", seed: int = 0) -> InputAdapted:
+    """torchvision's ``name`` (seeded random weights, 10 classes, eval()), quantized whole
+    with ``dtype`` and calibrated on seeded 32x32 batches, behind a trainable input
+    adapter: only the adapter trains."""
+    from qnn_convbwd.torchvision_import import import_torchvision
+
+    torchvision = import_torchvision()
+    torch.manual_seed(seed)
+    net = getattr(torchvision.models, name)(num_classes=10).eval()
+    gen = torch.Generator().manual_seed(seed)
+    images = [
+        torch.randn(qb.BATCH, 3, qb.SIZE, qb.SIZE, generator=gen)
+        for _ in range(qb.CALIBRATION_BATCHES)
+    ]
+    model = InputAdapted(_converted(net, images, dtype))
+    for parameter_name, parameter in model.named_parameters():
+        parameter.requires_grad_(parameter_name.startswith("input_adapter."))
+    return model
+
+
+def qat_cifar(dtype: str = "8a8w", qat_steps: int = 3, seed: int = 0) -> InputAdapted:
+    """ExecuTorch's CIFAR model trained for ``qat_steps`` SGD steps with
+    quantization-aware training of its features (``QnnQuantizer(is_qat=True)``,
+    ``prepare_qat_pt2e``), then converted (``convert_pt2e``) and put behind a trainable
+    input adapter; the adapter and the classifier train on."""
+    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+    from torchao.quantization.pt2e import move_exported_model_to_eval
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
+
+    from qnn_convbwd import finetune
+
+    net = finetune.architecture("cifar", seed=seed).eval()
+    quantizer = QnnQuantizer()
+    quantizer.set_default_quant_config(
+        getattr(QuantDtype, qb.DTYPES[dtype]), is_qat=True, is_conv_per_channel=True
+    )
+    example = torch.zeros(qb.BATCH, 3, qb.SIZE, qb.SIZE)
+    features = torch.export.export(net.features, (example,), strict=True).module()
+    prepared = prepare_qat_pt2e(features, quantizer)
+    head = net.classifier
+    optimizer = torch.optim.SGD([*prepared.parameters(), *head.parameters()], lr=0.01)
+    for x, y in qb.batches(qat_steps, seed=seed + 100):
+        loss = nn.functional.cross_entropy(head(torch.flatten(prepared(x), 1)), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    move_exported_model_to_eval(prepared)
+    model = InputAdapted(qb.QuantizedBackbone(convert_pt2e(prepared), head))
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name.startswith(("input_adapter.", "model.classifier.")))
+    return model
+
+
+def reference(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with the straight-through estimator: what torch trains."""
+    from qnn_convbwd import quantized
+
+    result = copy.deepcopy(model)
+    quantized.straight_through(result)
+    return result
+
+
+def train_both(
+    model: nn.Module, program, data: list, lr: float
+) -> list[tuple[float, float, float]]:
+    """(program loss, torch loss, the program step's wall seconds) per SGD step at
+    ``lr`` from the same weights and batches; torch trains ``reference(model)``."""
+    torch_model = reference(model)
+    optimizer = torch.optim.SGD([p for p in torch_model.parameters() if p.requires_grad], lr=lr)
+    session = program.session(lr)
+    steps = []
+    try:
+        for x, y in data:
+            start = time.perf_counter()
+            ours = session.step([x, y])
+            seconds = time.perf_counter() - start
+            optimizer.zero_grad()
+            loss = nn.functional.cross_entropy(torch_model(x), y)
+            loss.backward()
+            optimizer.step()
+            steps.append((ours, loss.item(), seconds))
+    finally:
+        session.close()
+    return steps
+
+
+def gradient_agreement(model: nn.Module, program, batch) -> dict[str, tuple[float, float]]:
+    """Per trainable parameter, (cosine, norm ratio) of the program's gradient against
+    torch's (the reference), from one SGD step at lr 1 on ``batch``."""
+    torch_model = reference(model)
+    x, y = batch
+    nn.functional.cross_entropy(torch_model(x), y).backward()
+    expected = {n: p.grad for n, p in torch_model.named_parameters() if p.requires_grad}
+    session = program.session(1.0)
+    try:
+        before = session.state_dict()
+        session.step([x, y])
+        after = session.state_dict()
+    finally:
+        session.close()
+    result = {}
+    for name, grad in expected.items():
+        ours = (before[name] - after[name]).flatten()
+        theirs = grad.flatten()
+        cosine = float(ours @ theirs / (ours.norm() * theirs.norm()))
+        result[name] = (cosine, float(ours.norm() / theirs.norm()))
+    return result
+
+
+@dataclasses.dataclass
+class Measurement:
+    model: str
+    adapters: tuple[str, ...]
+    dtype: str
+    soc: str
+    delegates: int
+    on_cpu: int
+    lower_seconds: float
+    step_seconds: list[float]
+    loss_gaps: list[float]
+    gradients: dict[str, tuple[float, float]]
+
+
+def measure(
+    adapters: tuple[str, ...] = ADAPTERS,
+    dtype: str = "8a8w",
+    soc: str = "SM8650",
+    steps: int = 3,
+    lr: float = 0.05,
+    model_name: str = "cifar",
+) -> Measurement:
+    """Quantize, lower for training (the context and lowering caches off), step
+    ``steps`` times beside torch, and compare one step's gradients. ``model_name``:
+    ``"cifar"`` (``adapted_cifar`` with ``adapters``), ``"cifar_qat"`` (``qat_cifar``)
+    or a torchvision model (``adapted_torchvision``: an input adapter)."""
+    import qnn_convbwd
+    from qnn_convbwd import training
+    from qnn_convbwd.toolchain import harness
+
+    if model_name == "cifar":
+        model: nn.Module = adapted_cifar(dtype, adapters)
+    elif model_name == "cifar_qat":
+        model, adapters = qat_cifar(dtype), ("input",)
+    else:
+        model, adapters = adapted_torchvision(model_name, dtype), ("input",)
+    data = qb.batches(steps + 2)
+    with qnn_convbwd.enabled(context_cache=False, lowering_cache=False):
+        program = training.lower_for_training(
+            training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+            data[0],
+            harness.compile_specs(soc),
+        )
+    done = train_both(model, program, data[1:-1], lr)
+    return Measurement(
+        model=model_name,
+        adapters=tuple(adapters),
+        dtype=dtype,
+        soc=soc,
+        delegates=harness.delegate_count(program.edge),
+        on_cpu=len(program.report.on_cpu),
+        lower_seconds=program.lowering_seconds,
+        step_seconds=[s for _, _, s in done],
+        loss_gaps=[abs(a - b) for a, b, _ in done],
+        gradients=gradient_agreement(model, program, data[-1]),
+    )
+
+
+def markdown_row(m: Measurement) -> str:
+    gaps = ", ".join(f"{g:.1e}" for g in m.loss_gaps)
+    steps = ", ".join(f"{s:.2f}" for s in m.step_seconds)
+    grads = ", ".join(f"{n} {c:.3f} / {r:.2f}" for n, (c, r) in m.gradients.items())
+    return (
+        f"| {m.model} | {', '.join(m.adapters)} | {m.dtype} | {m.soc} | {m.delegates} | "
+        f"{m.on_cpu} | {m.lower_seconds:.1f} | {steps} | {gaps} | {grads} |"
+    )
+
+
+MARKDOWN_HEAD = (
+    "| model | adapters | quantization | SoC | delegates | ops on CPU | lower s | step s "
+    "| loss gap per step | gradient cosine / norm ratio |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)

@@ -1,0 +1,35 @@
+"""Lower trainable adapters on a pt2e-quantized frozen backbone (the straight-through
+estimator) for training and step them beside torch: one Markdown row per configuration
+(docs/quantized.md).
+
+    python scripts/quantized_ste.py --models cifar resnet18 --dtypes 8a8w --socs SM8650
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from qnn_convbwd_dev import quantized_backbone as qb
+from qnn_convbwd_dev import quantized_ste as qs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["cifar"])
+    parser.add_argument("--adapters", nargs="+", default=list(qs.ADAPTERS), choices=qs.ADAPTERS)
+    parser.add_argument("--dtypes", nargs="+", default=["8a8w"], choices=sorted(qb.DTYPES))
+    parser.add_argument("--socs", nargs="+", default=["SM8650"])
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    print(qs.MARKDOWN_HEAD, flush=True)
+    for model in args.models:
+        for dtype in args.dtypes:
+            for soc in args.socs:
+                measured = qs.measure(
+                    tuple(args.adapters), dtype, soc, steps=args.steps, model_name=model
+                )
+                print(qs.markdown_row(measured), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,326 @@
+"""Gradients through a frozen pt2e-quantized backbone: the straight-through estimator
+(``qnn_convbwd.quantized``, ``passes.straight_through``, docs/quantized.md).
+
+Without the simulator: the fake quantize's forward is the quantize / dequantize pair's,
+bit for bit; its mask is ``quantized.straight_through_bounds``' interval, exactly; the
+joint graph's rewrite back to quantize / dequantize pairs keeps every value of the
+program. With it: ExecuTorch's CIFAR model quantized 8a8w in two pieces, a trainable
+1x1 convolution on the input and a per-channel scale and bias between the first block
+and the rest (``qnn_convbwd_dev.quantized_ste``), lowered for SM8650 into one delegate
+and trained three SGD steps beside torch running the same module with the estimator.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import functools
+
+import pytest
+import torch
+import torchao.quantization.pt2e  # noqa: F401  registers torch.ops.quantized_decomposed
+from torch import nn
+
+from qnn_convbwd import quantized, training
+from qnn_convbwd.passes import straight_through
+
+q_op = torch.ops.quantized_decomposed.quantize_per_tensor.default
+dq_op = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+
+RANGES = list(quantized.RANGE_DTYPES.items())
+STEPS = 3
+LR = 0.05
+
+
+def _samples(scale: float, zero_point: int, low: int, high: int, gen) -> torch.Tensor:
+    """Random values over the range and beyond, every half step (ties) and every step."""
+    spread = torch.randn(4096, generator=gen) * scale * (high - low) / 3
+    steps = torch.arange(low - 4, high + 5, dtype=torch.float32) - zero_point
+    return torch.cat([spread, steps * scale, (steps + 0.5) * scale])
+
+
+@pytest.mark.parametrize(("bounds", "dtype"), RANGES, ids=[str(d) for _, d in RANGES])
+def test_straight_through_quantize_is_the_pair_bit_for_bit(bounds, dtype):
+    low, high = bounds
+    gen = torch.Generator().manual_seed(high)
+    for _ in range(50):
+        scale = float(torch.rand(1, generator=gen)) * 0.1 + 1e-4
+        zero_point = int(torch.randint(low, high + 1, (1,), generator=gen))
+        x = _samples(scale, zero_point, low, high, gen)
+        parameters = (scale, zero_point, low, high, dtype)
+        pair = dq_op(q_op(x, *parameters), *parameters)
+        ours = quantized.straight_through_quantize(
+            x, *parameters, *quantized.straight_through_bounds(scale, zero_point, low, high)
+        )
+        assert torch.equal(pair, ours), (scale, zero_point)
+
+
+def test_torchs_fake_quantize_differs_from_the_pair_at_ties():
+    """Why the estimator is an op of its own: torch's fake quantize rounds some ties the
+    other way (docstring of ``qnn_convbwd.quantized``)."""
+    scale, zero_point = 0.07687490115165711, 169
+    ties = (torch.arange(-10, 300, dtype=torch.float32) - zero_point + 0.5) * scale
+    pair = dq_op(
+        q_op(ties, scale, zero_point, 0, 255, torch.uint8), scale, zero_point, 0, 255, torch.uint8
+    )
+    fake = torch.fake_quantize_per_tensor_affine(ties, scale, zero_point, 0, 255)
+    assert int((pair != fake).sum()) == 110
+
+
+@pytest.mark.parametrize(("bounds", "dtype"), RANGES, ids=[str(d) for _, d in RANGES])
+def test_straight_through_bounds_are_torchs_mask(bounds, dtype):
+    low, high = bounds
+    gen = torch.Generator().manual_seed(high + 1)
+    for _ in range(50):
+        scale = float(torch.rand(1, generator=gen)) * 0.1 + 1e-5
+        zero_point = int(torch.randint(low, high + 1, (1,), generator=gen))
+        lo, hi = quantized.straight_through_bounds(scale, zero_point, low, high)
+        around = torch.tensor([lo, hi]).view(torch.int32)
+        neighbours = (around[:, None] + torch.arange(-3, 4)).flatten().view(torch.float32)
+        x = torch.cat([_samples(scale, zero_point, low, high, gen), neighbours])
+        _, mask = torch.ops.aten.fake_quantize_per_tensor_affine_cachemask.default(
+            x, scale, zero_point, low, high
+        )
+        assert torch.equal(mask, (x >= lo) & (x <= hi)), (scale, zero_point)
+
+
+class _Pairs(nn.Module):
+    """A trainable scale, then quantize / dequantize pairs around a relu, as pt2e writes
+    them."""
+
+    def __init__(self, second=(0.02, 3, 0, 255, torch.uint8)) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.tensor(1.5))
+        self.second = second
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = dq_op(
+            q_op(x * self.gain, 0.05, 128, 0, 255, torch.uint8), 0.05, 128, 0, 255, torch.uint8
+        )
+        y = torch.relu(y)
+        return dq_op(q_op(y, 0.02, 3, 0, 255, torch.uint8), *self.second)
+
+
+def _traced(module: nn.Module) -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(module)
+
+
+def test_straight_through_keeps_values_and_passes_masked_gradients():
+    module = _traced(_Pairs())
+    x = torch.randn(256) * 4
+    before = module(x)
+    assert quantized.straight_through(module) == 2
+    assert not quantized.holds_activation_pairs(module)
+    after = module(x)
+    assert torch.equal(before, after)
+    after.sum().backward()
+    # d/dgain of fq2(relu(fq1(g x))) with the estimator: x where both pass (torch's
+    # fake quantize has the same backward).
+    with torch.no_grad():
+        inner = x * 1.5
+        lo1, hi1 = quantized.straight_through_bounds(0.05, 128, 0, 255)
+        first = dq_op(q_op(inner, 0.05, 128, 0, 255, torch.uint8), 0.05, 128, 0, 255, torch.uint8)
+        mid = torch.relu(first)
+        lo2, hi2 = quantized.straight_through_bounds(0.02, 3, 0, 255)
+        passes = (inner >= lo1) & (inner <= hi1) & (first > 0) & (mid >= lo2) & (mid <= hi2)
+        expected = (x * passes).sum()
+    assert 0 < int(passes.sum()) < x.numel(), "the samples should clamp some and pass some"
+    assert torch.allclose(module.gain.grad, expected, rtol=1e-6), (module.gain.grad, expected)
+
+
+def test_straight_through_refuses_a_pair_with_two_parameters():
+    module = _traced(_Pairs(second=(0.03, 3, 0, 255, torch.uint8)))
+    graph = str(module.graph)
+    with pytest.raises(quantized.StraightThroughError, match="other parameters"):
+        quantized.straight_through(module)
+    assert str(module.graph) == graph, "nothing changes when a pair is refused"
+
+
+class _Wide(nn.Module):
+    """QnnQuantizer's 16-bit activations: an int32 tensor over [0, 65535]."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return dq_op(
+            q_op(x, 1e-4, 30000, 0, 65535, torch.int32), 1e-4, 30000, 0, 65535, torch.int32
+        )
+
+
+def test_sixteen_bit_activations_in_int32_are_taken():
+    module = _traced(_Wide())
+    x = torch.randn(512)
+    before = module(x)
+    assert quantized.straight_through(module) == 1
+    assert torch.equal(module(x), before)
+
+
+def test_the_joint_graph_rewrite_keeps_every_value():
+    """``lower_fake_quantizes`` on the joint graph: no straight-through op left, the pairs
+    with their integer dtype; the program's loss and gradient equal those of the program
+    with the op, bit for bit."""
+    module = _traced(_Pairs())
+    quantized.straight_through(module)
+    x = torch.randn(64) * 4
+    joint = training.export_joint(_Sum(module), (x,))
+    expected = _run(joint, x)
+    rewritten = straight_through.lower_fake_quantizes(copy.deepcopy(joint))
+    graph = rewritten.graph
+    assert not straight_through.fake_quantize_nodes(rewritten)
+    quantizes = [n for n in graph.nodes if n.target == q_op]
+    assert [n.args[5] for n in quantizes] == [torch.uint8, torch.uint8]
+    selects = [n for n in graph.nodes if n.target == torch.ops.aten.where.self]
+    assert len(selects) == 3  # the estimator's two, the relu's
+    got = _run(rewritten, x)
+    for ours, theirs in zip(got, expected, strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def _run(program: torch.export.ExportedProgram, *inputs) -> list[torch.Tensor]:
+    """Every output of ``program``'s graph (the loss, then the gradients)."""
+    from torch.export.graph_signature import InputKind
+
+    values = {**program.state_dict, **program.constants}
+    flat = []
+    user = iter(inputs)
+    for spec in program.graph_signature.input_specs:
+        flat.append(next(user) if spec.kind == InputKind.USER_INPUT else values[spec.target])
+    return list(program.graph_module(*flat))
+
+
+class _Sum(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).sum()
+
+
+# --- on the simulator ---------------------------------------------------------------------
+
+
+@functools.cache
+def _lowered(soc: str):
+    """(model as lowered, the program, the QNN graphs built) for ``soc``."""
+    from qnn_convbwd import integration
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import quantized_backbone as qb
+    from qnn_convbwd_dev import quantized_ste as qs
+
+    model = qs.adapted_cifar("8a8w")
+    with integration.capture_qnn_graphs() as graphs:
+        program = training.lower_for_training(
+            training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+            qb.batches(1)[0],
+            harness.compile_specs(soc),
+        )
+    return model, program, [list(g) for g in graphs]
+
+
+def _assert_losses_follow_torch(model, program) -> None:
+    from qnn_convbwd_dev import quantized_backbone as qb
+    from qnn_convbwd_dev import quantized_ste as qs
+
+    steps = qs.train_both(model, program, qb.batches(STEPS + 1)[1:], LR)
+    for step, (ours, theirs, _) in enumerate(steps):
+        bound = 3e-2 * max(1.0, abs(theirs))
+        assert abs(ours - theirs) <= bound, f"step {step}: {ours} vs torch {theirs} (> {bound})"
+
+
+@pytest.mark.htp
+def test_adapters_on_a_quantized_backbone_are_one_delegate(qnn_sdk):
+    """Every node on the HTP, every convolution_backward delegated: the input adapter's
+    (grad_weight, grad_bias) and the quantized convolutions' grad_input."""
+    from qnn_convbwd.toolchain import harness
+
+    model, program, graphs = _lowered("SM8650")
+    assert program.report.on_cpu == [], program.report.on_cpu_markdown()
+    assert harness.delegate_count(program.edge) == 1
+    assert program.report.rows and all(row.delegated for row in program.report.rows)
+    # Built as asked: the quantized weights are no runtime_weight fallback.
+    assert program.report.fallbacks == [], program.report.fallbacks
+    (ops,) = graphs
+    kinds = collections.Counter(op.op_type for op in ops)
+    # Three quantized convolutions forward (plus the adapter's); each grad_input that
+    # reaches an adapter is a TransposeConv2d on a weight dequantized in the graph.
+    assert kinds["Conv2d"] == 4 and kinds["TransposeConv2d"] >= 3, kinds
+    # The adapters' outputs are quantized in the delegate: two quantizing copies.
+    assert kinds["Quantize"] >= 2, kinds
+
+
+@pytest.mark.htp
+def test_quantized_weights_stay_int8_and_no_float_copy(qnn_sdk):
+    """Each quantized weight: the per-channel int8 tensor the forward Conv2d reads, and
+    for grad_input its integers once more as an int8 tensor (QNN dequantizes no
+    per-channel tensor); no static float tensor of a weight's size."""
+    model, program, graphs = _lowered("SM8650")
+    (ops,) = graphs
+    weights = {
+        name: w
+        for name, w in model.named_buffers()
+        if w.dtype == torch.int8 and w.dim() == 4 and name.startswith(("first.", "rest."))
+    }
+    assert len(weights) == 3
+    sizes = sorted(w.numel() for w in weights.values())
+    statics = {t.name: t for op in ops for t in op.inputs if t.is_static}
+    one_byte = sorted(t.nbytes for t in statics.values() if t.nbytes in sizes)
+    assert one_byte == sorted(sizes * 2), one_byte
+    for tensor in statics.values():
+        elements = 1
+        for d in tensor.dims:
+            elements *= d
+        assert not (elements in sizes and tensor.nbytes > elements), (
+            f"{tensor.name}: {tensor.nbytes} bytes for {elements} elements (a float copy)"
+        )
+
+
+@pytest.mark.htp
+def test_three_sgd_steps_follow_the_straight_through_estimator(qnn_sdk):
+    model, program, _ = _lowered("SM8650")
+    _assert_losses_follow_torch(model, program)
+
+
+def _lower(model: nn.Module, soc: str):
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import quantized_backbone as qb
+
+    return training.lower_for_training(
+        training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+        qb.batches(1)[0],
+        harness.compile_specs(soc),
+    )
+
+
+@pytest.mark.htp
+@pytest.mark.slow(reason="a QAT run in torch and another CIFAR lowering")
+def test_a_qat_converted_backbone_trains_its_adapter_on_the_htp(qnn_sdk):
+    """QnnQuantizer(is_qat=True) + prepare_qat_pt2e, three steps of quantization-aware
+    training in torch, convert_pt2e: the converted model lowers as a post-training
+    quantized one (the same program: one delegate, nothing on CPU) and its input adapter
+    and head train on the simulator as torch trains them."""
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import quantized_ste as qs
+
+    model = qs.qat_cifar("8a8w")
+    program = _lower(model, "SM8650")
+    assert program.report.on_cpu == [], program.report.on_cpu_markdown()
+    assert harness.delegate_count(program.edge) == 1
+    _assert_losses_follow_torch(model, program)
+
+
+@pytest.mark.htp
+@pytest.mark.slow(reason="another CIFAR lowering and CPU steps")
+def test_below_v69_the_adapters_train_on_cpu(qnn_sdk):
+    """SM8350 (V68): the training graph stays on CPU as a whole; the estimator's quantize /
+    dequantize pairs were folded away there (executorch's FoldQDQ), so the program
+    computes the backbone's activations in float: its losses stay within the bound of
+    torch's with the estimator."""
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import quantized_ste as qs
+
+    model = qs.adapted_cifar("8a8w")
+    program = _lower(model, "SM8350")
+    assert harness.delegate_count(program.edge) == 0
+    # The convolution_backwards by their own rule, every other node by the graph's.
+    rules = {op.rule for op in program.report.on_cpu}
+    assert rules == {"training_graph_below_v69", "htp_arch_supported"}, rules
+    _assert_losses_follow_torch(model, program)

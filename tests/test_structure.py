@@ -310,6 +310,7 @@ LAYERS = (
         "torchvision_import",
         "fit_plot",
         "finetune_data",
+        "quantized",
     },
     # signature reads the metadata key of a parameter the program's own optimizer trains.
     {"geometry", "nodes", "signature"},

@@ -653,11 +653,11 @@ def fit(
     quantization = None
     if quantize is not None:
         net, quantization = quantize_for_fit(net, train, batch, quantize, calibration_batches, seed)
-        if resume is not None and resume.get("quantization") != quantization:
-            raise QuantizationMismatch(
-                "the checkpoint is of a run whose quantized backbone differs from the one "
-                f"built now ({resume.get('quantization')} vs {quantization})"
-            )
+    if resume is not None and resume.get("quantization") != quantization:
+        raise QuantizationMismatch(
+            "the checkpoint is of a run whose quantized backbone differs from the one "
+            f"built now ({resume.get('quantization')} vs {quantization})"
+        )
     net.train(train_mode)
     trainable = trainable_names(net)
     if not trainable:

@@ -405,3 +405,60 @@ MARKDOWN_HEAD = (
     "| step s | loss gap per step | int8 weights B | static B | fp16 static B | context B "
     "| fp16 context B | .pte B |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+def _blocks(arch: str, net: nn.Module) -> list[nn.Module]:
+    """The backbone's blocks in order, before its pooling."""
+    if arch == "resnet18":
+        return [m for name, m in net.named_children() if name not in ("avgpool", "fc")]
+    return list(net.features)
+
+
+@dataclasses.dataclass
+class ForwardGap:
+    arch: str
+    dtype: str
+    blocks: int  # the backbone's first blocks lowered
+    program_vs_torch: float  # relative L2 error of the program's output, torch's converted
+    program_vs_fused: float  # the same against ``fused_activations`` of the converted
+    torch_vs_float: float  # torch's converted against the float blocks: quantization
+    program_vs_float: float  # the program's against the float blocks
+
+
+def forward_gap(arch: str, dtype: str = "8a8w", blocks: int | None = None) -> ForwardGap:
+    """The first ``blocks`` blocks of ``arch``'s backbone (all when ``None``), quantized
+    and calibrated as ``quantized_model`` does, lowered alone for inference on SM8650 and
+    run on one seeded batch; relative L2 errors of the outputs (the features)."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    import qnn_convbwd
+    from qnn_convbwd.toolchain import harness
+
+    net = float_model(arch)
+    chosen = _blocks(arch, net)[:blocks]
+    part = nn.Sequential(*chosen).eval()
+    calibration = calibration_batches()
+    exported = torch.export.export(part, (calibration[0],), strict=True).module()
+    prepared = prepare_pt2e(exported, quantized.quantizer(dtype))
+    for batch in calibration:
+        prepared(batch)
+    converted = convert_pt2e(prepared)
+    x = batches(2)[1][0]
+    with qnn_convbwd.enabled(context_cache=False):
+        compiled = harness.lower_module(copy.deepcopy(converted), (x,), "SM8650")
+    ours = compiled.run([x])[0]
+    with torch.no_grad():
+        theirs, fused, unquantized = converted(x), fused_activations(converted)(x), part(x)
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    return ForwardGap(
+        arch,
+        dtype,
+        len(chosen),
+        relative(ours, theirs),
+        relative(ours, fused),
+        relative(theirs, unquantized),
+        relative(ours, unquantized),
+    )

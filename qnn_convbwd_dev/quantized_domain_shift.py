@@ -168,5 +168,6 @@ def lines(found: DomainShift) -> list[str]:
         f"{100 * found.torch_accuracy:.1f}% ({found.gap_points:.1f} points apart)",
         f"lowering {found.lowering_seconds:.1f} s, {found.delegates} delegate(s), on CPU "
         f"{found.on_cpu or 'none'}, {found.mean_step_seconds:.2f} s a step",
-        f"loss gap per step: max {max(gaps):.2e}, mean {sum(gaps) / len(gaps):.2e}",
+        f"loss gap per step: max {max(gaps):.2e} (step {gaps.index(max(gaps))}), mean "
+        f"{sum(gaps) / len(gaps):.2e}, first three " + ", ".join(f"{g:.1e}" for g in gaps[:3]),
     ]

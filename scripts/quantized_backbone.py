@@ -34,8 +34,31 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--json", help="append each measurement as a JSON line to this file")
+    parser.add_argument(
+        "--forward",
+        nargs="*",
+        type=int,
+        metavar="BLOCKS",
+        help="instead: the backbone's first BLOCKS blocks (all without a number) lowered "
+        "alone for inference, their output against torch's converted model, the same with "
+        "each convolution's ReLU fused, and torch's converted against the float blocks",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.forward is not None:
+        print("| model | quantization | blocks | program vs torch | program vs fused | "
+              "torch vs float | program vs float |\n|---|---|---|---|---|---|---|")  # fmt: skip
+        for arch in args.models:
+            for dtype in args.dtypes:
+                for blocks in args.forward or [None]:
+                    g = qb.forward_gap(arch, dtype, blocks)
+                    print(
+                        f"| {g.arch} | {g.dtype} | {g.blocks} | {g.program_vs_torch:.2e} | "
+                        f"{g.program_vs_fused:.2e} | {g.torch_vs_float:.2e} | "
+                        f"{g.program_vs_float:.2e} |",
+                        flush=True,
+                    )
+        return
     rows = []
     for arch in args.models:
         for mode in args.modes:

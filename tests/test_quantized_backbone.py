@@ -190,3 +190,36 @@ def test_torchvision_backbones_are_one_delegate_and_follow_torch(qnn_sdk, arch):
     for step, (ours, theirs, _) in enumerate(steps):
         bound = 3e-2 * max(1.0, abs(theirs))
         assert abs(ours - theirs) <= bound, f"step {step}: {ours} vs torch {theirs} (> {bound})"
+
+
+def test_fused_activations_drops_the_rounding_between_a_convolution_and_its_relu():
+    """The reference that rounds a convolution + ReLU once: the quantize / dequantize
+    pair between them gone, the ReLU's own kept; its output differs from the converted
+    model's by at most one step of the convolution's quantization."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qnn_convbwd import quantized
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()).eval()
+    x = torch.randn(4, 3, 8, 8)
+    prepared = prepare_pt2e(torch.export.export(net, (x,)).module(), quantized.quantizer("8a8w"))
+    prepared(x)
+    converted = convert_pt2e(prepared)
+    fused = qb.fused_activations(converted)
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+
+    def quantizes(module):
+        return [n for n in module.graph.nodes if n.target == quantize]
+
+    assert len(quantizes(fused)) == len(quantizes(converted)) - 1
+    relus = (torch.ops.aten.relu.default, torch.ops.aten.relu_.default)
+    (relu,) = [n for n in fused.graph.nodes if n.target in relus]
+    assert relu.args[0].target == torch.ops.aten.conv2d.default
+    conv_scale = next(
+        n.args[1] for n in quantizes(converted) if n.args[0].target == torch.ops.aten.conv2d.default
+    )
+    with torch.no_grad():
+        ours, theirs = fused(x), converted(x)
+    assert not torch.equal(ours, theirs)
+    assert float((ours - theirs).abs().max()) <= conv_scale * 1.01

@@ -862,17 +862,21 @@ def calibration_data(
 def quantize_for_fit(
     net: nn.Module, train: Any, batch: int, scheme: str, count: int, seed: int
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """``net`` (in ``eval()``) with its backbone quantized (``quantized.quantize_backbone``)
-    on ``calibration_data(train, batch, count, seed)``, and what a checkpoint keeps of
-    it: the quantization, the batches used, a digest of the calibration images and of
-    the converted backbone (``quantized.digest``)."""
+    """A copy of ``net`` with its backbone quantized in ``eval()``
+    (``quantized.quantize_backbone``; the head keeps ``net``'s mode) on
+    ``calibration_data(train, batch, count, seed)``, and what a checkpoint keeps of it:
+    the quantization, the batches used, a digest of the calibration images and of the
+    converted backbone (``quantized.digest``)."""
     from . import quantized
 
     batches, _ = calibration_data(train, batch, count, seed)
     if not batches:
         raise ValueError(f"no calibration batch of {batch} samples in the training data")
     was_training = net.training
-    quantized_net = quantized.quantize_backbone(net.eval(), head(net), scheme, batches)
+    try:
+        quantized_net = quantized.quantize_backbone(net.eval(), head(net), scheme, batches)
+    finally:
+        net.train(was_training)
     quantized_net.train(was_training)
     images = hashlib.sha256()
     for tensor in batches:

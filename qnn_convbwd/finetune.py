@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import copy
 import dataclasses
+import hashlib
 import importlib.util
 import io
 import itertools
@@ -38,7 +39,11 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = ("full", "last-layers", "bias-only", "adapter")
+SCHEMES = ("full", "last-layers", "bias-only", "adapter", "head")
+# The one scheme that trains through a quantized backbone (``fit(quantize=...)``).
+QUANTIZED_SCHEME = "head"
+# Calibration batches of a quantized backbone, drawn from the training data.
+CALIBRATION_BATCHES = 16
 # The adapter scheme puts a residual adapter after each of this many blocks, the ones
 # before the backbone's last block.
 ADAPTED_BLOCKS = 2
@@ -272,6 +277,9 @@ def apply_scheme(net: nn.Module, scheme: str, size: int = 32) -> nn.Module:
     * ``bias-only``: every bias, batch-norm biases included, and the head
       (``head(net)``, the last ``nn.Linear``, which a new task starts from scratch);
       the TinyTL recipe;
+    * ``head``: the head alone: every parameter of the top-level child of ``net``
+      holding ``head(net)`` (the CIFAR example's two-layer ``classifier``, a ResNet's
+      ``fc``); the one scheme a quantized backbone takes (``fit(quantize=...)``);
     * ``adapter``: the backbone frozen; a ``ResidualAdapter`` (a zero-initialised
       1x1 convolution, residual) after each of the ``ADAPTED_BLOCKS`` blocks before
       the last one, and the head, train. Modifies ``net`` in place (the adapted
@@ -289,6 +297,9 @@ def apply_scheme(net: nn.Module, scheme: str, size: int = 32) -> nn.Module:
         train = set(names)
     elif scheme == "bias-only":
         train = {n for n in names if n.endswith(".bias") or n.startswith(top)}
+    elif scheme == "head":
+        child = top.split(".", 1)[0] + "."
+        train = {n for n in names if n.startswith(child)}
     elif scheme == "last-layers":
         last = blocks(net)[-1] + "."
         first = next(i for i, n in enumerate(names) if n.startswith(last))
@@ -441,6 +452,11 @@ class FitResult:
     # The optimizer the program applies and the torch copy uses: its name ("sgd",
     # "adamw"), learning rate and hyper-parameters (``describe_optimizer``).
     optimizer: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # A quantized backbone's scheme, calibration and digest (``quantize_for_fit``).
+    quantization: dict[str, Any] | None = None
+    # The trained model in eval(), the program's state loaded (a quantized run's
+    # ``quantized.QuantizedBackbone``).
+    trained: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def mean_step_seconds(self) -> float:
@@ -567,6 +583,8 @@ def fit(
     on_checkpoint: Callable[[dict], None] | None = None,
     resume: dict | None = None,
     external_weights: bool = False,
+    quantize: str | None = None,
+    calibration_batches: int = CALIBRATION_BATCHES,
 ) -> FitResult:
     """Train a copy of ``model`` (cross-entropy) through the lowered program and, on the
     same batches, an fp32 eager copy; both from the same weights, both with
@@ -607,6 +625,14 @@ def fit(
     such a state: the run goes on from its step, and its remaining steps compute what an
     uninterrupted run computes. ``external_weights`` lowers a program whose weights live
     in a ``.ptd`` (``FitResult.program.ptd``).
+
+    ``quantize`` (``"8a8w"`` or ``"16a8w"``, ``quantized.SCHEMES``) quantizes the
+    backbone with executorch's ``QnnQuantizer`` after calibration on
+    ``calibration_batches`` batches of the training data (``calibration_data``) and
+    keeps the head float (``quantized.quantize_backbone``): only the head trains
+    (``scheme="head"``; another scheme is refused). The torch copy runs the same
+    converted backbone in fp32. A checkpoint holds the converted backbone's digest;
+    a resume quantizes again and is refused when the digest differs.
     """
     from . import training
     from .api import enabled
@@ -621,7 +647,17 @@ def fit(
         raise ValueError(f"lr schedule {lr_schedule!r}: one of {', '.join(LR_SCHEDULES)}")
     chosen = program_optimizer(optimizer, lr, momentum, weight_decay)
     described = describe_optimizer(chosen)
+    if quantize is not None:
+        check_quantized_scheme(scheme, quantize)
     net = apply_scheme(copy.deepcopy(model), scheme)
+    quantization = None
+    if quantize is not None:
+        net, quantization = quantize_for_fit(net, train, batch, quantize, calibration_batches, seed)
+    if resume is not None and resume.get("quantization") != quantization:
+        raise QuantizationMismatch(
+            "the checkpoint is of a run whose quantized backbone differs from the one "
+            f"built now ({resume.get('quantization')} vs {quantization})"
+        )
     net.train(train_mode)
     trainable = trainable_names(net)
     if not trainable:
@@ -687,6 +723,7 @@ def fit(
         torch_reference=torch_reference,
         program=program,
         optimizer=described,
+        quantization=quantization,
     )
     session = program.session()
     evaluated = copy.deepcopy(net)
@@ -728,6 +765,7 @@ def fit(
             if reference_optimizer is None
             else copy.deepcopy(reference_optimizer.state_dict()),
             "rng": torch.get_rng_state(),
+            "quantization": quantization,
             "steps": [dataclasses.asdict(s) for s in result.steps],
             "evaluations": [dataclasses.asdict(e) for e in result.evaluations],
         }
@@ -773,11 +811,82 @@ def fit(
                     on_checkpoint(state(done))
         result.program_state = session.state_dict()
         result.program_final = session.program_state()
+        evaluated.load_state_dict(result.program_state)
+        result.trained = evaluated.eval()
         if reference is not None:
             result.torch_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     finally:
         session.close()
     return result
+
+
+class QuantizationMismatch(ValueError):
+    """A resumed run whose quantized backbone, built again, differs from the checkpoint's."""
+
+
+def check_quantized_scheme(scheme: str, quantize: str) -> None:
+    """Raise ``ValueError`` unless ``scheme`` trains the head alone, the one scheme a
+    quantized backbone takes."""
+    from . import quantized
+
+    if quantize not in quantized.SCHEMES:
+        raise ValueError(f"quantization {quantize!r}: one of {', '.join(quantized.SCHEMES)}")
+    if scheme != QUANTIZED_SCHEME:
+        raise ValueError(
+            f"scheme {scheme!r} with a quantized backbone ({quantize}): only the head trains "
+            f"through a quantized backbone (scheme {QUANTIZED_SCHEME!r}); {scheme!r} needs "
+            "gradients inside the backbone"
+        )
+
+
+def calibration_data(
+    train: Any, batch: int, count: int, seed: int
+) -> tuple[list[torch.Tensor], list[int] | None]:
+    """``count`` batches of ``batch`` training images to calibrate a quantized backbone on,
+    and the indices of those images: tensor data drawn by a permutation from ``seed``
+    (the first ``count * batch`` of it; fewer batches when the data is smaller), a
+    ``DataLoader``'s first ``count`` batches of ``batch`` samples (indices ``None``)."""
+    if count <= 0:
+        raise ValueError(f"calibration batches: {count}, at least 1 is needed")
+    if isinstance(train, torch.utils.data.DataLoader):
+        found = [x for x, _ in itertools.islice(_epoch_batches(train, batch, None), count)]
+        return found, None
+    x, _ = train
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + 7919)
+    order = torch.randperm(len(x), generator=generator)
+    usable = min(count, len(x) // batch) * batch
+    chosen = order[:usable]
+    return [x[chosen[i : i + batch]] for i in range(0, usable, batch)], chosen.tolist()
+
+
+def quantize_for_fit(
+    net: nn.Module, train: Any, batch: int, scheme: str, count: int, seed: int
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A copy of ``net`` with its backbone quantized in ``eval()``
+    (``quantized.quantize_backbone``; the head keeps ``net``'s mode) on
+    ``calibration_data(train, batch, count, seed)``, and what a checkpoint keeps of it:
+    the quantization, the batches used, a digest of the calibration images and of the
+    converted backbone (``quantized.digest``)."""
+    from . import quantized
+
+    batches, _ = calibration_data(train, batch, count, seed)
+    if not batches:
+        raise ValueError(f"no calibration batch of {batch} samples in the training data")
+    was_training = net.training
+    try:
+        quantized_net = quantized.quantize_backbone(net.eval(), head(net), scheme, batches)
+    finally:
+        net.train(was_training)
+    quantized_net.train(was_training)
+    images = hashlib.sha256()
+    for tensor in batches:
+        images.update(tensor.contiguous().numpy().tobytes())
+    return quantized_net, {
+        "scheme": scheme,
+        "calibration_batches": len(batches),
+        "calibration_digest": images.hexdigest(),
+        "backbone_digest": quantized.digest(quantized_net),
+    }
 
 
 def trained_program(result: FitResult) -> tuple[bytes, bytes | None]:

@@ -1,12 +1,17 @@
 """A pt2e-quantized frozen backbone under a float head that trains: built, lowered for
 training and stepped beside torch (docs/quantized.md).
 
-The model is ExecuTorch's CIFAR example. Its ``features`` are calibrated and converted
-with executorch's ``QnnQuantizer`` (per-channel convolution weights) in one of two ways:
+The models (``MODELS``): ExecuTorch's CIFAR example and torchvision's resnet18 and
+mobilenet_v2 (seeded random weights; the torchvision models' batch-norm running
+statistics set by ``STATISTICS_PASSES`` train-mode passes over seeded random batches,
+so that their activations are not vanishingly small). The backbone is everything but
+the head (the child holding the last ``nn.Linear``: CIFAR's and mobilenet_v2's
+``classifier``, resnet18's ``fc``), calibrated and converted with executorch's
+``QnnQuantizer`` (per-channel convolution weights) in one of two ways:
 
-* ``"split"``: the backbone exported and quantized alone, the classifier a float module
-  on top (``QuantizedBackbone``);
-* ``"whole"``: the whole model exported and quantized with the classifier's nodes left
+* ``"split"``: the backbone exported and quantized alone, the head a float module on
+  top (``qnn_convbwd.quantized.quantize_backbone``);
+* ``"whole"``: the whole model exported and quantized with the head's nodes left
   unannotated (``QnnQuantizer.add_discard_nodes``), so they stay float.
 
 The torch reference runs the same converted model in fp32 (the quantize / dequantize
@@ -15,6 +20,7 @@ pairs computed eagerly) and trains the head with ``torch.optim.SGD``.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import time
@@ -22,80 +28,117 @@ import time
 import torch
 from torch import nn
 
+from qnn_convbwd import quantized
+from qnn_convbwd.quantized import QuantizedBackbone, int8_weights  # noqa: F401
+
 BATCH = 8
 SIZE = 32
 CALIBRATION_BATCHES = 8
-HEAD = "classifier"
+STATISTICS_PASSES = 4
+MODELS = ("cifar", "resnet18", "mobilenet_v2")
+# The head's SGD learning rate per model: the torchvision heads read 512 and 1,280
+# features and diverge at CIFAR's rate within three steps.
+LR = {"cifar": 0.05, "resnet18": 0.01, "mobilenet_v2": 0.01}
 
-# QnnQuantizer's QuantDtype member for each name measured.
-DTYPES = {"8a8w": "use_8a8w", "16a8w": "use_16a8w"}
+DTYPES = quantized.SCHEMES
 MODES = ("split", "whole")
 
 
-class QuantizedBackbone(nn.Module):
-    """A converted pt2e backbone (frozen) and a float head."""
+def float_model(arch: str = "cifar", seed: int = 0) -> nn.Module:
+    """``arch`` with weights from ``seed``, in ``eval()``; a model with batch norms gets
+    their running statistics from ``STATISTICS_PASSES`` train-mode passes over seeded
+    random batches (cumulative averages)."""
+    from qnn_convbwd import finetune
 
-    def __init__(self, backbone: nn.Module, head: nn.Module) -> None:
-        super().__init__()
-        self.backbone = backbone
-        self.classifier = head
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.classifier(torch.flatten(self.backbone(x), 1))
-
-
-def _quantizer(dtype: str):
-    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
-
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown quantization {dtype!r}: one of {', '.join(DTYPES)}")
-    quantizer = QnnQuantizer()
-    quantizer.set_default_quant_config(getattr(QuantDtype, DTYPES[dtype]), is_conv_per_channel=True)
-    return quantizer
-
-
-def _in_head(node: torch.fx.Node) -> bool:
-    stack = node.meta.get("nn_module_stack", {})
-    return any(str(path).startswith(HEAD) for path, _ in stack.values())
+    if arch not in MODELS:
+        raise ValueError(f"unknown model {arch!r}: one of {', '.join(MODELS)}")
+    net = finetune.architecture(arch, seed=seed)
+    norms = [m for m in net.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if norms:
+        for norm in norms:
+            norm.reset_running_stats()
+            norm.momentum = None
+        gen = torch.Generator().manual_seed(seed + 1000)
+        net.train()
+        with torch.no_grad():
+            for _ in range(STATISTICS_PASSES):
+                net(torch.randn(BATCH, 3, SIZE, SIZE, generator=gen))
+        for norm in norms:
+            norm.momentum = 0.1
+    return net.eval()
 
 
-def quantized_cifar(
-    dtype: str = "8a8w", mode: str = "split", seed: int = 0, train_head: bool = False
+def _head(net: nn.Module) -> str:
+    from qnn_convbwd import finetune
+
+    return quantized.head_child(net, finetune.head(net))
+
+
+def calibration_batches(seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(BATCH, 3, SIZE, SIZE, generator=gen) for _ in range(CALIBRATION_BATCHES)]
+
+
+def quantized_model(
+    arch: str = "cifar",
+    dtype: str = "8a8w",
+    mode: str = "split",
+    seed: int = 0,
+    train_head: bool = False,
 ) -> nn.Module:
-    """ExecuTorch's CIFAR model (weights from ``seed``), its ``features`` quantized with
-    ``dtype`` and calibrated on seeded batches, its classifier float and trainable, in
-    eval() (no dropout) or with ``train_head`` in train() (dropout 0.5, split only).
-    Only the classifier's parameters require a gradient."""
+    """``float_model(arch, seed)``, its backbone quantized with ``dtype`` and calibrated on
+    seeded batches, its head float and trainable, in eval() (no dropout) or with
+    ``train_head`` in train() (split only). Only the head's parameters require a
+    gradient."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     from qnn_convbwd import finetune
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
-    net = finetune.architecture("cifar", seed=seed).eval()
-    quantizer = _quantizer(dtype)
-    gen = torch.Generator().manual_seed(seed)
-    batches = [torch.randn(BATCH, 3, SIZE, SIZE, generator=gen) for _ in range(CALIBRATION_BATCHES)]
+    net = float_model(arch, seed)
+    top = _head(net)
+    batches = calibration_batches(seed)
     if mode == "split":
-        exported = torch.export.export(net.features, (batches[0],), strict=True).module()
-    else:
-        exported = torch.export.export(net, (batches[0],), strict=True).module()
-        quantizer.add_discard_nodes([n.name for n in exported.graph.nodes if _in_head(n)])
+        model = quantized.quantize_backbone(net, finetune.head(net), dtype, batches)
+        return model.train(train_head)
+    if train_head:
+        raise ValueError("train_head needs mode='split' (a converted graph has no train())")
+    quantizer = quantized.quantizer(dtype)
+    exported = torch.export.export(net, (batches[0],), strict=True).module()
+    quantizer.add_discard_nodes([n.name for n in exported.graph.nodes if _in_head(n, top)])
     prepared = prepare_pt2e(exported, quantizer)
     for batch in batches:
         prepared(batch)
-    converted = convert_pt2e(prepared)
-    if mode == "split":
-        model: nn.Module = QuantizedBackbone(converted, net.classifier.train(train_head))
-    elif train_head:
-        raise ValueError("train_head needs mode='split' (a converted graph has no train())")
-    else:
-        model = converted
+    model = convert_pt2e(prepared)
     for name, parameter in model.named_parameters():
         # The converted graph keeps the float originals of the quantized weights as
         # unused attributes; only the head trains.
-        parameter.requires_grad_(name.startswith(HEAD))
+        parameter.requires_grad_(name.startswith(top))
     return model
+
+
+def quantized_cifar(
+    dtype: str = "8a8w", mode: str = "split", seed: int = 0, train_head: bool = False
+) -> nn.Module:
+    """``quantized_model("cifar", ...)``: ExecuTorch's CIFAR model, its ``classifier``
+    the head."""
+    return quantized_model("cifar", dtype, mode, seed, train_head)
+
+
+def float_split(arch: str = "cifar", seed: int = 0) -> nn.Module:
+    """The same model unquantized (``float_model``), its head alone trainable: what the
+    quantized program is compared with for its weight bytes."""
+    net = float_model(arch, seed)
+    top = _head(net)
+    for name, parameter in net.named_parameters():
+        parameter.requires_grad_(name.startswith(top + "."))
+    return net
+
+
+def _in_head(node: torch.fx.Node, top: str) -> bool:
+    stack = node.meta.get("nn_module_stack", {})
+    return any(str(path).startswith(top) for path, _ in stack.values())
 
 
 def batches(count: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -125,22 +168,57 @@ def without_activation_quantization(model: nn.Module) -> nn.Module:
         for node in list(graph.nodes):
             if node.target != dequantize or node.args[0].target != quantize:
                 continue
-            quantized = node.args[0]
-            node.replace_all_uses_with(quantized.args[0])
+            quantize_node = node.args[0]
+            node.replace_all_uses_with(quantize_node.args[0])
             graph.erase_node(node)
-            if not quantized.users:
-                graph.erase_node(quantized)
+            if not quantize_node.users:
+                graph.erase_node(quantize_node)
         module.recompile()
     return result
 
 
-def int8_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The converted model's int8 convolution weights (its quantized constants)."""
-    return {
-        name: value
-        for name, value in model.named_buffers()
-        if value.dtype == torch.int8 and value.dim() == 4
-    }
+# Ops the HTP applies to a convolution's (or an add's) result before requantizing it:
+# QNN computes the pair with one rounding, to the activation's quantization.
+_FUSED_ACTIVATIONS = {
+    torch.ops.aten.relu.default,
+    torch.ops.aten.relu_.default,
+    torch.ops.aten.hardtanh.default,
+    torch.ops.aten.hardtanh_.default,
+}
+_FUSED_PRODUCERS = {
+    torch.ops.aten.conv2d.default,
+    torch.ops.aten.add.Tensor,
+    torch.ops.aten.add_.Tensor,
+}
+
+
+def fused_activations(model: nn.Module) -> nn.Module:
+    """A copy of a quantized model whose convolutions and adds feed their ReLU / ReLU6
+    (``hardtanh``) without the quantize / dequantize pair between them: the result
+    rounded once, to the activation's quantization, not first to the convolution's."""
+    result = copy.deepcopy(model)
+    dequantize = torch.ops.quantized_decomposed.dequantize_per_tensor.default
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+    for module in result.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        graph = module.graph
+        for node in list(graph.nodes):
+            if node.target not in _FUSED_ACTIVATIONS:
+                continue
+            dq = node.args[0]
+            if not isinstance(dq, torch.fx.Node) or dq.target != dequantize:
+                continue
+            q = dq.args[0]
+            if q.target != quantize or q.args[0].target not in _FUSED_PRODUCERS:
+                continue
+            if len(dq.users) != 1 or len(q.users) != 1:
+                continue
+            node.replace_input_with(dq, q.args[0])
+            graph.erase_node(dq)
+            graph.erase_node(q)
+        module.recompile()
+    return result
 
 
 def train_both(
@@ -168,61 +246,144 @@ def train_both(
     return steps
 
 
+def static_bytes(graphs: list) -> int:
+    """Bytes of the static tensors (weights, biases, constants) of the captured QNN
+    graphs (``integration.capture_qnn_graphs``), each tensor counted once."""
+    seen: dict[str, int] = {}
+    for ops in graphs:
+        for op in ops:
+            for tensor in op.inputs:
+                if tensor.is_static:
+                    seen[tensor.name] = tensor.nbytes
+    return sum(seen.values())
+
+
+@dataclasses.dataclass
+class Lowered:
+    program: object
+    delegates: int
+    on_cpu: list  # qnn_convbwd.CpuOp of every op kept on CPU
+    lower_seconds: float
+    static_bytes: int
+    context_bytes: int
+    qnn_ops: collections.Counter
+
+
+def lower(model: nn.Module, example: tuple, soc: str, fp16: bool = True) -> Lowered:
+    """``model`` under a cross-entropy loss lowered for training for ``soc``
+    (``training.lower_for_training``, the context and lowering caches off), the QNN
+    graphs captured."""
+    import qnn_convbwd
+    from qnn_convbwd import integration, training
+    from qnn_convbwd.toolchain import harness
+
+    with qnn_convbwd.enabled(context_cache=False), integration.capture_qnn_graphs() as graphs:
+        program = training.lower_for_training(
+            training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+            example,
+            harness.compile_specs(soc, fp16=fp16),
+        )
+    graphs = [list(g) for g in graphs]
+    return Lowered(
+        program=program,
+        delegates=harness.delegate_count(program.edge),
+        on_cpu=list(program.report.on_cpu),
+        lower_seconds=program.lowering_seconds,
+        static_bytes=static_bytes(graphs),
+        context_bytes=sum(len(b) for b in harness.context_binaries(program.edge)),
+        qnn_ops=collections.Counter(op.op_type for ops in graphs for op in ops),
+    )
+
+
 @dataclasses.dataclass
 class Measurement:
+    arch: str
     mode: str
     dtype: str
     soc: str
     fp16: bool
     train_head: bool
     delegates: int
-    on_cpu: int
+    on_cpu: dict[str, int]  # ops kept on CPU by rule
+    on_cpu_details: list[str]  # each such op: node, rule, reason
     lower_seconds: float
     step_seconds: list[float]
+    losses: list[float]  # torch's
     loss_gaps: list[float]
     context_bytes: int
     pte_bytes: int
+    static_bytes: int  # the quantized program's static QNN tensors
+    int8_weight_bytes: int  # the converted model's int8 convolution weights
+    qnn_ops: dict[str, int]
+    float_static_bytes: int | None = None  # the fp16 program of the same model unquantized
+    float_context_bytes: int | None = None
+    float_lower_seconds: float | None = None
+    # |torch's loss on the converted model - torch's on the float model|, first batch,
+    # before training: the size of the quantization's own effect on the loss.
+    quantization_loss_gap: float | None = None
+
+    @property
+    def within_bound(self) -> bool:
+        """Every step's loss gap within 3e-2 * max(1, |torch's loss|)."""
+        return all(g <= 3e-2 * max(1.0, abs(t)) for g, t in zip(self.loss_gaps, self.losses))
 
 
 def measure(
+    arch: str = "cifar",
     mode: str = "split",
     dtype: str = "8a8w",
     soc: str = "SM8650",
     fp16: bool = True,
     steps: int = 3,
-    lr: float = 0.05,
+    lr: float | None = None,
     train_head: bool = False,
+    compare_float: bool = False,
 ) -> Measurement:
-    """Quantize, lower for training (``training.lower_for_training``, the context and
-    lowering caches off) and step ``steps`` times beside torch. With ``train_head``
+    """Quantize, lower for training (the context and lowering caches off) and step
+    ``steps`` times beside torch; with ``compare_float`` also lower the same model
+    unquantized (``float_split``) for its static and context bytes. With ``train_head``
     torch draws its own dropout masks: the losses are not comparable step by step."""
-    import qnn_convbwd
-    from qnn_convbwd import training
-    from qnn_convbwd.toolchain import harness
-
-    model = quantized_cifar(dtype, mode, train_head=train_head)
+    model = quantized_model(arch, dtype, mode, train_head=train_head)
     data = batches(steps + 1)
-    with qnn_convbwd.enabled(context_cache=False):
-        program = training.lower_for_training(
-            training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
-            data[0],
-            harness.compile_specs(soc, fp16=fp16),
-        )
-    steps_done = train_both(model, program, data[1:], lr)
-    return Measurement(
+    lowered = lower(model, data[0], soc, fp16)
+    steps_done = train_both(model, lowered.program, data[1:], lr or LR[arch])
+    measured = Measurement(
+        arch=arch,
         mode=mode,
         dtype=dtype,
         soc=soc,
         fp16=fp16,
         train_head=train_head,
-        delegates=harness.delegate_count(program.edge),
-        on_cpu=len(program.report.on_cpu),
-        lower_seconds=program.lowering_seconds,
+        delegates=lowered.delegates,
+        on_cpu=dict(collections.Counter(op.rule for op in lowered.on_cpu).most_common()),
+        on_cpu_details=[str(op) for op in lowered.on_cpu],
+        lower_seconds=lowered.lower_seconds,
         step_seconds=[seconds for _, _, seconds in steps_done],
+        losses=[theirs for _, theirs, _ in steps_done],
         loss_gaps=[abs(ours - theirs) for ours, theirs, _ in steps_done],
-        context_bytes=sum(len(b) for b in harness.context_binaries(program.edge)),
-        pte_bytes=len(program.pte),
+        context_bytes=lowered.context_bytes,
+        pte_bytes=len(lowered.program.pte),
+        static_bytes=lowered.static_bytes,
+        int8_weight_bytes=sum(w.numel() for w in int8_weights(model).values()),
+        qnn_ops=dict(lowered.qnn_ops.most_common()),
     )
+    del lowered
+    if mode == "split" and not train_head:
+        x, y = data[1]
+        with torch.no_grad():
+            unquantized = nn.functional.cross_entropy(float_model(arch)(x), y).item()
+            converted = nn.functional.cross_entropy(model(x), y).item()
+        measured.quantization_loss_gap = abs(converted - unquantized)
+    if compare_float:
+        reference = lower(float_split(arch), data[0], soc, fp16)
+        measured.float_static_bytes = reference.static_bytes
+        measured.float_context_bytes = reference.context_bytes
+        measured.float_lower_seconds = reference.lower_seconds
+    return measured
+
+
+def _bytes(value: int | None) -> str:
+    return "-" if value is None else f"{value:,}"
 
 
 def markdown_row(m: Measurement) -> str:
@@ -230,13 +391,74 @@ def markdown_row(m: Measurement) -> str:
     steps = ", ".join(f"{s:.2f}" for s in m.step_seconds)
     specs = "fp16" if m.fp16 else "fp32"
     mode = f"{m.mode}, head in train()" if m.train_head else m.mode
+    on_cpu = ", ".join(f"{rule} {count}" for rule, count in m.on_cpu.items()) or "0"
     return (
-        f"| {mode} | {m.dtype} | {m.soc} ({specs}) | {m.delegates} | {m.on_cpu} | "
-        f"{m.lower_seconds:.1f} | {steps} | {gaps} | {m.context_bytes:,} | {m.pte_bytes:,} |"
+        f"| {m.arch} | {mode} | {m.dtype} | {m.soc} ({specs}) | {m.delegates} | {on_cpu} | "
+        f"{m.lower_seconds:.1f} | {steps} | {gaps} | {m.int8_weight_bytes:,} | "
+        f"{m.static_bytes:,} | {_bytes(m.float_static_bytes)} | {m.context_bytes:,} | "
+        f"{_bytes(m.float_context_bytes)} | {m.pte_bytes:,} |"
     )
 
 
 MARKDOWN_HEAD = (
-    "| backbone | quantization | SoC (specs) | delegates | ops on CPU | lower s | step s "
-    "| loss gap per step | context B | .pte B |\n|---|---|---|---|---|---|---|---|---|---|"
+    "| model | backbone | quantization | SoC (specs) | delegates | ops on CPU | lower s "
+    "| step s | loss gap per step | int8 weights B | static B | fp16 static B | context B "
+    "| fp16 context B | .pte B |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+def _blocks(arch: str, net: nn.Module) -> list[nn.Module]:
+    """The backbone's blocks in order, before its pooling."""
+    if arch == "resnet18":
+        return [m for name, m in net.named_children() if name not in ("avgpool", "fc")]
+    return list(net.features)
+
+
+@dataclasses.dataclass
+class ForwardGap:
+    arch: str
+    dtype: str
+    blocks: int  # the backbone's first blocks lowered
+    program_vs_torch: float  # relative L2 error of the program's output, torch's converted
+    program_vs_fused: float  # the same against ``fused_activations`` of the converted
+    torch_vs_float: float  # torch's converted against the float blocks: quantization
+    program_vs_float: float  # the program's against the float blocks
+
+
+def forward_gap(arch: str, dtype: str = "8a8w", blocks: int | None = None) -> ForwardGap:
+    """The first ``blocks`` blocks of ``arch``'s backbone (all when ``None``), quantized
+    and calibrated as ``quantized_model`` does, lowered alone for inference on SM8650 and
+    run on one seeded batch; relative L2 errors of the outputs (the features)."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    import qnn_convbwd
+    from qnn_convbwd.toolchain import harness
+
+    net = float_model(arch)
+    chosen = _blocks(arch, net)[:blocks]
+    part = nn.Sequential(*chosen).eval()
+    calibration = calibration_batches()
+    exported = torch.export.export(part, (calibration[0],), strict=True).module()
+    prepared = prepare_pt2e(exported, quantized.quantizer(dtype))
+    for batch in calibration:
+        prepared(batch)
+    converted = convert_pt2e(prepared)
+    x = batches(2)[1][0]
+    with qnn_convbwd.enabled(context_cache=False):
+        compiled = harness.lower_module(copy.deepcopy(converted), (x,), "SM8650")
+    ours = compiled.run([x])[0]
+    with torch.no_grad():
+        theirs, fused, unquantized = converted(x), fused_activations(converted)(x), part(x)
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a - b).norm() / b.norm())
+
+    return ForwardGap(
+        arch,
+        dtype,
+        len(chosen),
+        relative(ours, theirs),
+        relative(ours, fused),
+        relative(theirs, unquantized),
+        relative(ours, unquantized),
+    )

@@ -156,3 +156,70 @@ def test_other_quantizations_are_one_delegate_and_follow_torch(qnn_sdk, dtype, m
     assert program.report.on_cpu == [], program.report.on_cpu_markdown()
     assert harness.delegate_count(program.edge) == 1
     _assert_losses_follow_torch(model, program)
+
+
+@pytest.mark.htp
+@pytest.mark.slow(reason="a torchvision backbone's lowering (25 to 60 s) and 3 simulator steps")
+@pytest.mark.parametrize("arch", ["resnet18", "mobilenet_v2"])
+def test_torchvision_backbones_are_one_delegate_and_follow_torch(qnn_sdk, arch):
+    """resnet18 (residual adds, batch norms folded, adaptive average pool) and
+    mobilenet_v2 (ReLU6 as hardtanh, depthwise convolutions): the whole backbone
+    quantized 8a8w, each convolution's weight one int8 static tensor, under the float
+    ``fc`` / ``classifier``, one delegate; three SGD steps at the model's rate
+    (``qb.LR``) within the bound of torch running the converted model."""
+    from qnn_convbwd import integration, training
+    from qnn_convbwd.toolchain import harness
+
+    model = qb.quantized_model(arch, "8a8w")
+    with integration.capture_qnn_graphs() as graphs:
+        program = training.lower_for_training(
+            training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+            qb.batches(1)[0],
+            harness.compile_specs("SM8650"),
+        )
+    assert program.report.on_cpu == [], program.report.on_cpu_markdown()
+    assert harness.delegate_count(program.edge) == 1
+    (ops,) = graphs
+    weights = qb.int8_weights(model)
+    convs = [op for op in ops if op.op_type in ("Conv2d", "DepthWiseConv2d")]
+    assert len(convs) == len(weights)
+    # Every convolution reads a static weight of one byte an element.
+    stored = sorted(op.inputs[1].nbytes for op in convs if op.inputs[1].is_static)
+    assert stored == sorted(w.numel() for w in weights.values())
+    steps = qb.train_both(model, program, qb.batches(STEPS + 1)[1:], qb.LR[arch])
+    for step, (ours, theirs, _) in enumerate(steps):
+        bound = 3e-2 * max(1.0, abs(theirs))
+        assert abs(ours - theirs) <= bound, f"step {step}: {ours} vs torch {theirs} (> {bound})"
+
+
+def test_fused_activations_drops_the_rounding_between_a_convolution_and_its_relu():
+    """The reference that rounds a convolution + ReLU once: the quantize / dequantize
+    pair between them gone, the ReLU's own kept; its output differs from the converted
+    model's by at most one step of the convolution's quantization."""
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    from qnn_convbwd import quantized
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU()).eval()
+    x = torch.randn(4, 3, 8, 8)
+    prepared = prepare_pt2e(torch.export.export(net, (x,)).module(), quantized.quantizer("8a8w"))
+    prepared(x)
+    converted = convert_pt2e(prepared)
+    fused = qb.fused_activations(converted)
+    quantize = torch.ops.quantized_decomposed.quantize_per_tensor.default
+
+    def quantizes(module):
+        return [n for n in module.graph.nodes if n.target == quantize]
+
+    assert len(quantizes(fused)) == len(quantizes(converted)) - 1
+    relus = (torch.ops.aten.relu.default, torch.ops.aten.relu_.default)
+    (relu,) = [n for n in fused.graph.nodes if n.target in relus]
+    assert relu.args[0].target == torch.ops.aten.conv2d.default
+    conv_scale = next(
+        n.args[1] for n in quantizes(converted) if n.args[0].target == torch.ops.aten.conv2d.default
+    )
+    with torch.no_grad():
+        ours, theirs = fused(x), converted(x)
+    assert not torch.equal(ours, theirs)
+    assert float((ours - theirs).abs().max()) <= conv_scale * 1.01

@@ -310,7 +310,7 @@ LAYERS = (
         "torchvision_import",
         "fit_plot",
         "finetune_data",
-        # the straight-through estimator on a module (torch only)
+        # a backbone quantized with pt2e, and the straight-through estimator (torch only)
         "quantized",
     },
     # signature reads the metadata key of a parameter the program's own optimizer trains.

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .. import finetune, finetune_data
+from .. import finetune, finetune_data, quantized
 
 DEFAULT_LR, DEFAULT_MOMENTUM = 0.02, 0.9
 DEFAULT_VAL_SPLIT = 0.1  # with --data and no --val
@@ -75,7 +75,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="start from this torch state_dict file (strict; a classifier of another class "
         "count is replaced)",
     )
-    model.add_argument("--scheme", choices=finetune.SCHEMES, default="full")
+    model.add_argument(
+        "--scheme",
+        choices=finetune.SCHEMES,
+        help=f"what trains (default full; {finetune.QUANTIZED_SCHEME} with --quantize)",
+    )
+    model.add_argument(
+        "--quantize",
+        choices=sorted(quantized.SCHEMES),
+        help="quantize the backbone (executorch's QnnQuantizer, per-channel int8 weights; "
+        "8- or 16-bit activations) after calibration on the training data; the head stays "
+        f"float and alone trains (--scheme {finetune.QUANTIZED_SCHEME})",
+    )
+    model.add_argument(
+        "--calibration-batches",
+        type=int,
+        default=finetune.CALIBRATION_BATCHES,
+        help="with --quantize: training batches of --batch images to calibrate on "
+        f"(default {finetune.CALIBRATION_BATCHES})",
+    )
     run = parser.add_argument_group("training")
     run.add_argument("--batch", type=int, default=16, help="batch size (default 16)")
     length = run.add_mutually_exclusive_group()
@@ -216,6 +234,17 @@ def prepare(args: argparse.Namespace) -> Inputs:
         raise UsageError("--size and --batch must be positive")
     if args.optimizer == "adamw" and args.momentum is not None:
         raise UsageError("--momentum is SGD's: --optimizer adamw takes none")
+    if args.scheme is None:
+        args.scheme = finetune.QUANTIZED_SCHEME if args.quantize else "full"
+    if args.quantize is not None:
+        if args.scheme != finetune.QUANTIZED_SCHEME:
+            raise UsageError(
+                f"--scheme {args.scheme} with --quantize: only the head trains through a "
+                f"quantized backbone (--scheme {finetune.QUANTIZED_SCHEME}); {args.scheme} "
+                "needs gradients inside the backbone"
+            )
+        if args.calibration_batches <= 0:
+            raise UsageError("--calibration-batches must be positive")
     train, val, classes, normalize, described = _read_data(args)
     notes = [described]
     if args.model is not None:
@@ -277,6 +306,8 @@ STORED = (
     "model",
     "weights",
     "scheme",
+    "quantize",
+    "calibration_batches",
     "batch",
     "steps",
     "epochs",
@@ -465,8 +496,12 @@ def write_outputs(
     else:
         (out / "train.ptd").unlink(missing_ok=True)
     seconds["emit_train_pte"] = time.perf_counter() - start
-    trained = finetune.apply_scheme(copy.deepcopy(inputs.model), args.scheme)
-    trained.load_state_dict(result.program_state)
+    if result.quantization is not None:
+        # The quantized backbone as calibrated, under the trained head.
+        trained = result.trained
+    else:
+        trained = finetune.apply_scheme(copy.deepcopy(inputs.model), args.scheme)
+        trained.load_state_dict(result.program_state)
     inference = finetune.lower_inference(trained, inputs.val[0][:1], result.soc)
     seconds["lower_infer_pte"] = inference.lowering_seconds
     finetune.write_atomic(out / "infer.pte", inference.pte)
@@ -483,6 +518,7 @@ def write_outputs(
         },
         "input": [1, 3, args.size, args.size],
         "soc": result.soc,
+        "quantization": result.quantization,
         "optimizer": result.optimizer,
         # What training.ProgramOptimizer.from_dict reads to open train.pte in a session.
         "program_optimizer": result.program.optimizer.as_dict(),
@@ -581,7 +617,12 @@ def run(args: argparse.Namespace) -> int:
     where = "CPU-only program" if args.cpu else f"{args.soc} on the HTP simulator"
     print(
         f"qnn-convbwd finetune: {name}, scheme {args.scheme}, in {mode}, {where}; "
-        f"batch {args.batch}, {args.optimizer} in the program, lr {args.lr:g} "
+        + (
+            f"backbone quantized {args.quantize} on {args.calibration_batches} training batches; "
+            if args.quantize
+            else ""
+        )
+        + f"batch {args.batch}, {args.optimizer} in the program, lr {args.lr:g} "
         f"({args.lr_schedule}), {hyper}"
         + ("; no torch copy" if args.no_torch else "")
         + (
@@ -635,7 +676,12 @@ def run(args: argparse.Namespace) -> int:
             on_checkpoint=save_checkpoint if args.out is not None else None,
             resume=checkpoint,
             external_weights=args.external_weights,
+            quantize=args.quantize,
+            calibration_batches=args.calibration_batches,
         )
+    except finetune.QuantizationMismatch as err:
+        print(f"qnn-convbwd finetune: --resume {args.resume}: {err}", file=sys.stderr)
+        return 2
     finally:
         progress.close()
     seconds = {

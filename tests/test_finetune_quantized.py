@@ -1,0 +1,173 @@
+"""``qnn-convbwd finetune --quantize``: the backbone quantized on the training data, the
+float head alone trained; its outputs, checkpoints, resume and refusals.
+
+The runs train the small ConvBn net of ``test_finetune_tool`` on its tiny ImageFolders
+of digits at 8x8, as the CPU-only program (SM8350), so they lower in seconds. There
+executorch's FoldQDQ removes the activations' quantize / dequantize pairs: the program
+computes the backbone in float with its int8 weights dequantized, and the torch copy
+runs the converted backbone with them, so the two differ by the activations'
+quantization (docs/quantized.md).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_finetune_tool import BATCH, MODEL, SIZE, _main, _refused, _val, make_folder
+
+from qnn_convbwd import finetune, quantized
+
+STEPS = 12
+CALIBRATION = 3
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("digits")
+    return make_folder(root / "train", 20), make_folder(root / "val", 5, offset=20)
+
+
+def run_args(train: Path, val: Path, out: Path) -> list[str]:
+    return [
+        "finetune", "--model", MODEL, "--data", str(train), "--val", str(val),
+        "--size", str(SIZE), "--batch", str(BATCH), "--steps", str(STEPS), "--cpu",
+        "--lr", "0.05", "--quantize", "8a8w", "--calibration-batches", str(CALIBRATION),
+        "--checkpoint-every", "4", "--out", str(out),
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished(folders, tmp_path_factory, qnn_sdk):
+    out = tmp_path_factory.mktemp("run") / "run"
+    code, printed = _main(run_args(*folders, out))
+    assert code == 0, printed
+    return out, printed
+
+
+def _quantized_model(folders, report: dict) -> quantized.QuantizedBackbone:
+    """The run's model rebuilt from its inputs: the small net from the run's seed, its
+    backbone quantized on the same calibration batches of the same training data."""
+    from qnn_convbwd import finetune_data
+
+    seed = report["args"]["seed"]
+    net = finetune.apply_scheme(finetune.user_model(MODEL, 4, seed), "head")
+    data = finetune_data.load(folders[0], SIZE, classes=report["classes"])
+    normalize = finetune_data.Normalize(report["normalize"]["mean"], report["normalize"]["std"])
+    train = (normalize(data.x), data.y)
+    model, _ = finetune.quantize_for_fit(net, train, BATCH, "8a8w", CALIBRATION, seed)
+    return model
+
+
+def test_only_the_head_trains_through_a_quantized_backbone(folders, tmp_path, capsys):
+    """A scheme with gradients inside the backbone is refused before anything is written,
+    with the reason; so is a library call."""
+    for scheme in ("full", "bias-only", "last-layers", "adapter"):
+        out = tmp_path / scheme
+        err = _refused([*run_args(*folders, out), "--scheme", scheme], capsys, out)
+        assert f"--scheme {scheme} with --quantize" in err
+        assert "only the head trains through a quantized backbone" in err
+    with pytest.raises(ValueError, match="only the head trains through a quantized backbone"):
+        finetune.fit(torch.nn.Linear(2, 2), (torch.zeros(4, 2), torch.zeros(4)), None,
+                     scheme="bias-only", quantize="8a8w")  # fmt: skip
+
+
+def test_the_head_scheme_trains_the_classifier_child_alone():
+    from test_finetune_tool import small_model
+
+    net = finetune.apply_scheme(small_model(4), "head")
+    assert finetune.trainable_names(net) == ["9.weight", "9.bias"]
+    cifar = finetune.apply_scheme(finetune.architecture("cifar"), "head")
+    assert all(n.startswith("classifier.") for n in finetune.trainable_names(cifar))
+    assert len(finetune.trainable_names(cifar)) == 4  # both linear layers of the classifier
+
+
+def test_quantized_run_writes_its_outputs(finished, folders):
+    out, printed = finished
+    assert "backbone quantized 8a8w on 3 training batches" in printed
+    names = {p.name for p in out.iterdir()}
+    assert {"model.pt", "train.pte", "infer.pte", "report.json", "checkpoint.pt"} <= names
+    report = json.loads((out / "report.json").read_text())
+    q = report["quantization"]
+    assert q["scheme"] == "8a8w" and q["calibration_batches"] == CALIBRATION
+    assert report["args"]["scheme"] == "head"
+    # The backbone trained nothing: the program's state is the converted backbone's as
+    # quantized, the head's parameters moved.
+    model = _quantized_model(folders, report)
+    assert quantized.digest(model) == q["backbone_digest"]
+    trained = torch.load(out / "model.pt")
+    for name, value in model.state_dict().items():
+        if name.startswith("backbone."):
+            assert torch.equal(trained[name], value), name
+    assert not torch.equal(trained["9.weight"], model.state_dict()["9.weight"])
+    # int8 convolution weights in the backbone: the batch norms folded into them.
+    weights = quantized.int8_weights(model)
+    assert len(weights) == 2 and all(w.dtype == torch.int8 for w in weights.values())
+
+
+def test_quantized_model_pt_gives_the_reported_accuracy(finished, folders):
+    """model.pt loaded into the quantized model rebuilt from the run's inputs classifies
+    the held-out images as the report says; the program's losses follow torch's within
+    the activations' quantization (the CPU program does not quantize them)."""
+    out, _ = finished
+    report = json.loads((out / "report.json").read_text())
+    model = _quantized_model(folders, report)
+    model.load_state_dict(torch.load(out / "model.pt"))
+    x, y = _val(folders, report)
+    with torch.no_grad():
+        right = int((model.eval()(x).argmax(1) == y).sum())
+    assert right / len(y) == report["val_accuracy"]
+    gaps = [abs(a - b) for a, b in zip(report["losses"], report["torch_losses"])]
+    assert max(gaps) <= 3e-2 * max(1.0, *map(abs, report["torch_losses"])), gaps
+
+
+def test_quantized_infer_pte_predicts_as_the_eager_model(finished, folders):
+    from qnn_convbwd.toolchain import harness
+
+    out, _ = finished
+    report = json.loads((out / "report.json").read_text())
+    model = _quantized_model(folders, report)
+    model.load_state_dict(torch.load(out / "model.pt"))
+    x, _ = _val(folders, report)
+    pte = (out / "infer.pte").read_bytes()
+    with torch.no_grad():
+        eager = model.eval()(x)
+    logits = torch.cat([harness.run_pte(pte, [image[None]])[0] for image in x])
+    assert (logits.argmax(1) == eager.argmax(1)).float().mean() >= 0.9
+    assert torch.allclose(logits, eager, atol=0.1 * float(eager.abs().max())), (
+        (logits - eager).abs().max()
+    )
+
+
+def test_quantized_run_resumes_to_the_same_run(finished, tmp_path):
+    """``--resume`` from the last checkpoint quantizes the backbone again (the same
+    digest) and ends with the same losses and weights, to the bit."""
+    out = tmp_path / "run"
+    shutil.copytree(finished[0], out)
+    for name in ("report.json", "model.pt", "train.pte", "infer.pte"):
+        (out / name).unlink()
+    code, printed = _main(["finetune", "--resume", str(out)])
+    assert code == 0, printed
+    assert f"resuming {out} after step {STEPS - 4} of {STEPS}" in printed
+    a = json.loads((out / "report.json").read_text())
+    b = json.loads((finished[0] / "report.json").read_text())
+    assert a["losses"] == b["losses"] and a["torch_losses"] == b["torch_losses"]
+    assert a["quantization"] == b["quantization"]
+    ours, theirs = torch.load(out / "model.pt"), torch.load(finished[0] / "model.pt")
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_a_resume_whose_backbone_differs_is_refused(finished, tmp_path, capsys):
+    out = tmp_path / "run"
+    shutil.copytree(finished[0], out)
+    checkpoint = torch.load(out / finetune.CHECKPOINT_FILE, weights_only=True)
+    checkpoint["quantization"]["backbone_digest"] = "0" * 64
+    torch.save(checkpoint, out / finetune.CHECKPOINT_FILE)
+    code = _main(["finetune", "--resume", str(out)])[0]
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert "quantized backbone differs" in captured.err

@@ -5,8 +5,9 @@
 tests that reach the toolchain otherwise carry it explicitly.
 ``slow``: long runs, skipped unless ``--slow`` is given: the long property runs,
 and sweeps that repeat one simulator check over more SoCs or configurations than
-the default tier's representative ones. ``pytest.mark.slow(reason=...)`` says
-which; the skip names it.
+the default tier's representative ones, and the long checks ``tiers.LONG`` lists
+with the default-tier check that covers the same path. ``pytest.mark.slow(reason=...)``
+says which; the skip names it.
 ``sweep``: the zoo fidelity sweep (``tests/test_zoo_sweep.py``), skipped
 unless ``--sweep`` is given: 48 lowerings of torchvision models, hours.
 ``python -m pytest -m "not htp"`` is the quick tier (no QNN compile).
@@ -66,6 +67,7 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("sweep") is not None:
                 item.add_marker(sweep)
+    _mark_long(items)
     if config.getoption("--slow"):
         return
     for item in items:
@@ -74,6 +76,17 @@ def pytest_collection_modifyitems(config, items):
             why = mark.kwargs.get("reason")
             what = f"long run ({why})" if why else "long run"
             item.add_marker(pytest.mark.skip(reason=f"{what}: select with --slow"))
+
+
+def _mark_long(items) -> None:
+    """Mark ``slow`` the tests ``tiers.LONG`` names (``tests/test_tiers.py`` checks that
+    each entry names a test)."""
+    from tiers import LONG
+
+    for item in items:
+        reason = LONG.get(item.nodeid)
+        if reason is not None:
+            item.add_marker(pytest.mark.slow(reason=reason))
 
 
 def pytest_configure(config):

@@ -18,3 +18,136 @@ def sweep(default: Iterable, more: Iterable, reason: str = ANOTHER_ARCH) -> list
     """``default`` in every tier, then ``more`` only with --slow (skipped saying ``reason``)."""
     slow = pytest.mark.slow(reason=reason)
     return [*default, *(pytest.param(value, marks=slow) for value in more)]
+
+
+# Long checks that run only with --slow, to keep the default tier within its time
+# budget. Each names the default-tier check that covers the same code path, or what
+# the check adds beyond it (tests/test_tiers.py checks that each names a test).
+LONG: dict[str, str] = {
+    "tests/test_zoo.py::test_mobilenet_v3_small_last_layers_within_fidelity": (
+        "a MobileNetV3-Small step; the quick fidelity canary lowers and steps the same "
+        "model every run"
+    ),
+    "tests/test_numerics.py::test_fidelity_command_prints_the_table_and_its_verdict": (
+        "the developer fidelity command's printout of a lowered step"
+    ),
+    "tests/test_numerics.py::test_mobilenet_like_batch_norm_training_step_is_within_fidelity[affine]": (  # noqa: E501
+        "a MobileNet-like train-mode step; test_train_mode steps train-mode batch norms "
+        "against torch"
+    ),
+    "tests/test_numerics.py::test_loss_scale_recovers_gradients_that_underflow_in_fp16": (
+        "a numerics demonstration; the in-program loss scale is tested in test_optimizer"
+    ),
+    "tests/test_numerics.py::test_mobilenet_like_inference_at_1x1_and_2x2_spatial": (
+        "inference fidelity at tiny maps; the canaries step MobileNets"
+    ),
+    "tests/test_train_mode.py::test_train_mode_batch_norm_trains_in_one_delegate[residual]": (
+        "the residual variant; conv_bn runs the same lowering"
+    ),
+    "tests/test_train_mode.py::test_train_mode_batch_norm_trains_in_one_delegate[bn1d]": (
+        "the 1-D variant; conv_bn runs the same lowering"
+    ),
+    "tests/test_train_mode.py::test_train_mode_batch_norm_trains_with_weights_in_torch_layout[residual]": (  # noqa: E501
+        "the residual variant; conv_bn runs the same lowering"
+    ),
+    "tests/test_train_mode.py::test_stock_flow_lowers_train_mode_batch_norm": (
+        "the stock flow; test_training trains through it after enable()"
+    ),
+    "tests/test_train_mode.py::test_forward_program_in_train_mode_lowers": (
+        "a forward-only program in train(); the training programs lower the same forward"
+    ),
+    "tests/test_property.py::test_compiled[default]": (
+        "generated configurations compiled and run; test_core runs generated "
+        "configurations on the simulator"
+    ),
+    "tests/test_property.py::test_visitor_and_validation[default]": (
+        "generated configurations through QNN's validation; test_core runs generated "
+        "configurations on the simulator"
+    ),
+    "tests/test_finetune.py::test_fit_torch_copy_drops_what_the_program_drops": (
+        "two CPU-only fits with dropout; fit's tracking of torch is tested without it"
+    ),
+    "tests/test_finetune.py::test_fit_with_adamw_in_the_program_tracks_torch_adamw": (
+        "three AdamW fits; the in-program AdamW is tested against torch in test_optimizer"
+    ),
+    "tests/test_finetune.py::test_fit_resumes_adamw_from_its_checkpoint_to_the_bit": (
+        "three AdamW fits; finetune's resume is tested to the bit in test_finetune_tool"
+    ),
+    "tests/test_finetune.py::test_cli_end_to_end_writes_png": (
+        "the command end to end; test_finetune_tool runs it"
+    ),
+    "tests/test_finetune.py::test_fit_drops_odd_sized_loader_batches": (
+        "a CPU-only fit from a DataLoader with a short last batch"
+    ),
+    "tests/test_conv_batch_norm.py::test_a_fully_trained_folded_program_trains_with_executorchs_training_runtime[fold]": (  # noqa: E501
+        "another folding option; test_a_folded_program_trains_with_executorchs_training_"
+        "runtime runs the same runtime"
+    ),
+    "tests/test_conv_batch_norm.py::test_a_fully_trained_folded_program_trains_with_executorchs_training_runtime[fold_device]": (  # noqa: E501
+        "another folding option; test_a_folded_program_trains_with_executorchs_training_"
+        "runtime runs the same runtime"
+    ),
+    "tests/test_conv_batch_norm.py::test_trained_pairs_fold_on_the_device_and_compute_the_same_step[conv]": (  # noqa: E501
+        "another variant; [full] folds the same pairs"
+    ),
+    "tests/test_conv_batch_norm.py::test_trained_pairs_fold_on_the_device_and_compute_the_same_step[full-zero-gammas]": (  # noqa: E501
+        "another variant; [full] folds the same pairs"
+    ),
+    "tests/test_conv_batch_norm.py::test_an_observer_sees_each_folded_weight_and_the_pass_keeps_none": (  # noqa: E501
+        "a lowering with an observer; test_a_folded_weight_is_stored_once checks the stored weights"
+    ),
+    "tests/test_conv_batch_norm.py::test_a_fully_trained_folded_step_is_within_fidelity_and_closer_to_fp32": (  # noqa: E501
+        "a fidelity comparison of folding; the folded programs' steps are tested above"
+    ),
+    "tests/test_context_cache.py::test_another_soc_compiles_again": (
+        "a second compile for another key field; test_a_changed_static_weight_compiles_"
+        "again checks a changed key compiles"
+    ),
+    "tests/test_context_cache.py::test_another_option_compiles_again": (
+        "a second compile for another key field; test_a_changed_static_weight_compiles_"
+        "again checks a changed key compiles"
+    ),
+    "tests/test_context_cache.py::test_split_delegates_each_reuse_their_binary": (
+        "a split program's two compiles; test_the_same_program_again_reuses_the_binary checks reuse"
+    ),
+    "tests/test_lowering_cache.py::test_a_lowering_whose_qnn_graphs_are_captured_is_built": (
+        "a lowering with its QNN graphs captured"
+    ),
+    "tests/test_lowering_cache.py::test_switched_off_it_stores_no_lowering": (
+        "a lowering with the cache off; test_context_cache checks the switch"
+    ),
+    "tests/test_toolchain.py::test_finalize_level_1_computes_a_strided_weight_gradient_right": (
+        "the non-default finalisation level 1"
+    ),
+    "tests/test_cost.py::test_measured_demo_macs_by_hand": (
+        "the developer cost tool on a lowered demo"
+    ),
+    "tests/test_bench.py::test_counts_on_lowered_programs_with_and_without_the_plugin": (
+        "the developer benchmark's counts on two lowerings"
+    ),
+    "tests/test_profile.py::test_delegate_bytes_are_the_tensors_each_call_is_given": (
+        "the developer profiler on the simulator; the CPU-only profile tests read ETDump "
+        "the same way"
+    ),
+    "tests/test_profile.py::test_delegate_roles_name_the_trained_weights_both_ways": (
+        "the developer profiler on the simulator; the CPU-only profile tests read ETDump "
+        "the same way"
+    ),
+    "tests/test_profile.py::test_simulator_delegate_calls_and_cpu_ops_are_the_plans": (
+        "the developer profiler on the simulator; the CPU-only profile tests read ETDump "
+        "the same way"
+    ),
+    "tests/test_fp16_boundary.py::test_the_delegate_reads_fp32_parameters_as_their_fp16_roundings": (  # noqa: E501
+        "a measurement behind the parameters' dtype at the delegate's boundary"
+    ),
+    "tests/test_fp16_boundary.py::test_the_delegate_writes_values_fp16_outputs_would_not_hold": (
+        "a measurement behind the gradients' dtype at the delegate's boundary"
+    ),
+    "tests/test_state_dict.py::test_dropout_step_counter_is_not_in_the_state_dict": (
+        "a dropout program's state_dict keys"
+    ),
+    "tests/test_dropout.py::test_one_shared_mask_trains_as_two_on_the_simulator": (
+        "a shared mask on the simulator; a CPU run of the rewritten graphs checks the "
+        "sharing to the bit"
+    ),
+}

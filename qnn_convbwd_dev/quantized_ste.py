@@ -25,6 +25,8 @@ import time
 import torch
 from torch import nn
 
+from qnn_convbwd import quantized
+
 from . import quantized_backbone as qb
 
 ADAPTERS = ("input", "between")
@@ -69,7 +71,7 @@ def _converted(module: nn.Module, batches: list[torch.Tensor], dtype: str) -> nn
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     exported = torch.export.export(module, (batches[0],), strict=True).module()
-    prepared = prepare_pt2e(exported, qb._quantizer(dtype))
+    prepared = prepare_pt2e(exported, quantized.quantizer(dtype))
     for batch in batches:
         prepared(batch)
     return convert_pt2e(prepared)
@@ -168,7 +170,7 @@ def qat_cifar(dtype: str = "8a8w", qat_steps: int = 3, seed: int = 0) -> InputAd
         loss.backward()
         optimizer.step()
     move_exported_model_to_eval(prepared)
-    model = InputAdapted(qb.QuantizedBackbone(convert_pt2e(prepared), head))
+    model = InputAdapted(qb.QuantizedBackbone(convert_pt2e(prepared), head, "classifier"))
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(name.startswith(("input_adapter.", "model.classifier.")))
     return model
@@ -176,7 +178,6 @@ def qat_cifar(dtype: str = "8a8w", qat_steps: int = 3, seed: int = 0) -> InputAd
 
 def reference(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with the straight-through estimator: what torch trains."""
-    from qnn_convbwd import quantized
 
     result = copy.deepcopy(model)
     quantized.straight_through(result)

@@ -74,7 +74,11 @@ def test_enable_is_idempotent_and_disable_restores_executorch_exactly():
     during = _executorch_state()
     assert "aten.convolution_backward.default" in during["visitors"]
     hooks = qnn_convbwd.pipeline.hooks()
-    plugin_passes = len(hooks.transform_passes) + len(hooks.late_transform_passes)
+    plugin_passes = (
+        len(hooks.quantization_passes)
+        + len(hooks.transform_passes)
+        + len(hooks.late_transform_passes)
+    )
     assert len(during["passes"]) == len(before["passes"]) + plugin_passes
     changed = {k for k in before if before[k] != during[k]}
     assert changed == set(before)  # every integration point is in effect

@@ -150,4 +150,44 @@ LONG: dict[str, str] = {
         "a shared mask on the simulator; a CPU run of the rewritten graphs checks the "
         "sharing to the bit"
     ),
+    "tests/test_finetune_tool.py::test_resume_from_the_last_checkpoint_ends_as_the_run": (
+        "a second resume of the run; test_a_killed_run_resumes_to_the_same_losses_to_the_bit "
+        "resumes it to the bit"
+    ),
+    "tests/test_finetune_quantized.py::test_quantized_run_resumes_to_the_same_run": (
+        "a resumed quantized run; test_finetune_tool resumes a killed run to the bit and "
+        "test_a_resume_whose_backbone_differs_is_refused checks the quantized resume's "
+        "digest"
+    ),
+    "tests/test_lowering_cache.py::test_a_new_process_reads_it_back": (
+        "the read-back in a second process; test_the_same_program_again_is_read_back_and_"
+        "trains_the_same reads the stored lowering back"
+    ),
+    "tests/test_train_mode.py::test_train_mode_batch_norm_trains_with_weights_in_torch_layout[conv_bn]": (  # noqa: E501
+        'the non-default weight_layout="torch"'
+    ),
+    "tests/test_context_cache.py::test_the_environment_variable_turns_it_off": (
+        "the environment variable's switch, two compiles"
+    ),
+    "tests/test_context_cache.py::test_the_cli_progress_line_names_phase_and_delegate": (
+        "the CLI's progress line on a real compile; test_the_cli_progress_line_follows_long_"
+        "calls_without_replacing_them checks the line's wiring"
+    ),
+    "tests/test_toolchain.py::test_htp_optimization_reaches_the_graph_config": (
+        "the optimisation option's way into QNN's graph config, two compiles"
+    ),
+    "tests/test_sigmoid.py::test_tanh_sigmoid_brings_every_gradient_of_a_silu_step_closer": (
+        "a fidelity comparison of two SiLU lowerings; test_every_sigmoid_of_a_joint_graph_"
+        "becomes_tanh_with_the_same_values checks the rewrite"
+    ),
+    "tests/test_training.py::test_executorch_cifar_example_trains_like_torch[frozen-features]": (
+        "the frozen-features variant; [trainable] trains the same example"
+    ),
+    "tests/test_state_dict.py::test_program_state_resumes_an_in_program_optimizer_to_the_bit": (
+        "in-program SGD's state; test_optimizer resumes an in-program AdamW from its state "
+        "dicts to the bit"
+    ),
+    "tests/test_dropout.py::test_cifar_train_decides_one_delegate_with_the_draw_on_cpu": (
+        "decide() on the CIFAR model; test_cifar_train_is_one_delegate lowers it"
+    ),
 }

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
 
 import torch
 from torch import nn
@@ -189,23 +188,7 @@ def train_both(
 ) -> list[tuple[float, float, float]]:
     """(program loss, torch loss, the program step's wall seconds) per SGD step at
     ``lr`` from the same weights and batches; torch trains ``reference(model)``."""
-    torch_model = reference(model)
-    optimizer = torch.optim.SGD([p for p in torch_model.parameters() if p.requires_grad], lr=lr)
-    session = program.session(lr)
-    steps = []
-    try:
-        for x, y in data:
-            start = time.perf_counter()
-            ours = session.step([x, y])
-            seconds = time.perf_counter() - start
-            optimizer.zero_grad()
-            loss = nn.functional.cross_entropy(torch_model(x), y)
-            loss.backward()
-            optimizer.step()
-            steps.append((ours, loss.item(), seconds))
-    finally:
-        session.close()
-    return steps
+    return qb.train_both(reference(model), program, data, lr)
 
 
 def gradient_agreement(model: nn.Module, program, batch) -> dict[str, tuple[float, float]]:

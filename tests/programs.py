@@ -7,6 +7,7 @@ compile into one QNN program (one compile per SoC instead of one per config).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import random
@@ -247,3 +248,22 @@ def conv_backward_of(config: Config):
         output_mask=config.mask,
         dtype=torch.float32,
     )
+
+
+def assert_step_within_twice_torch_fp16(
+    net: nn.Module, x: torch.Tensor, y: torch.Tensor, outputs: dict[str, torch.Tensor]
+) -> None:
+    """A training step's ``outputs`` (the loss, and ``net.<name>`` gradients) within twice
+    torch fp16's own error + 1e-3 of torch fp32's cross-entropy step on ``net``."""
+    reference = {}
+    for dtype in (torch.float32, torch.float16):
+        model = copy.deepcopy(net).to(dtype)
+        loss = nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
+        loss.backward()
+        reference[dtype] = float(loss), {n: p.grad.double() for n, p in model.named_parameters()}
+    (loss32, grads32), (loss16, grads16) = reference[torch.float32], reference[torch.float16]
+    assert abs(float(outputs["loss"]) - loss32) <= 2 * abs(loss16 - loss32) + 1e-3
+    for name, want in grads32.items():
+        error = float((outputs[f"net.{name}"].double() - want).norm() / want.norm())
+        floor = float((grads16[name] - want).norm() / want.norm())
+        assert error <= 2 * floor + 1e-3, f"{name}: {error:.2e} against torch fp16 {floor:.2e}"

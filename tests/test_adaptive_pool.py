@@ -15,6 +15,7 @@ import copy
 import logging
 import random
 
+import programs
 import torch
 from executorch.exir import to_edge
 from torch import nn
@@ -211,15 +212,4 @@ def test_the_head_trains_on_htp_next_to_torch(qnn_sdk):
     ]
     assert not [op for op in on_cpu if "adaptive" in op or "mm" in op]
     outputs = dict(zip(fidelity.output_names(joint), compiled.run([x, y])))
-    reference = {}
-    for dtype in (torch.float32, torch.float16):
-        model = copy.deepcopy(net).to(dtype)
-        loss = nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
-        loss.backward()
-        reference[dtype] = float(loss), {n: p.grad.double() for n, p in model.named_parameters()}
-    (loss32, grads32), (loss16, grads16) = reference[torch.float32], reference[torch.float16]
-    assert abs(float(outputs["loss"]) - loss32) <= 2 * abs(loss16 - loss32) + 1e-3
-    for name, want in grads32.items():
-        error = float((outputs[f"net.{name}"].double() - want).norm() / want.norm())
-        floor = float((grads16[name] - want).norm() / want.norm())
-        assert error <= 2 * floor + 1e-3, f"{name}: {error:.2e} against torch fp16 {floor:.2e}"
+    programs.assert_step_within_twice_torch_fp16(net, x, y, outputs)

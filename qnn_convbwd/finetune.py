@@ -40,8 +40,10 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 SCHEMES = ("full", "last-layers", "bias-only", "adapter", "head")
-# The one scheme that trains through a quantized backbone (``fit(quantize=...)``).
-QUANTIZED_SCHEME = "head"
+# The schemes that train around a quantized backbone (``fit(quantize=...)``), the first
+# the default: the float head, or float adapters inside the backbone and the head.
+QUANTIZED_SCHEMES = ("head", "adapter")
+QUANTIZED_SCHEME = QUANTIZED_SCHEMES[0]
 # Calibration batches of a quantized backbone, drawn from the training data.
 CALIBRATION_BATCHES = 16
 # The adapter scheme puts a residual adapter after each of this many blocks, the ones
@@ -279,7 +281,8 @@ def apply_scheme(net: nn.Module, scheme: str, size: int = 32) -> nn.Module:
       the TinyTL recipe;
     * ``head``: the head alone: every parameter of the top-level child of ``net``
       holding ``head(net)`` (the CIFAR example's two-layer ``classifier``, a ResNet's
-      ``fc``); the one scheme a quantized backbone takes (``fit(quantize=...)``);
+      ``fc``); with ``adapter``, the schemes a quantized backbone takes
+      (``fit(quantize=...)``, ``QUANTIZED_SCHEMES``);
     * ``adapter``: the backbone frozen; a ``ResidualAdapter`` (a zero-initialised
       1x1 convolution, residual) after each of the ``ADAPTED_BLOCKS`` blocks before
       the last one, and the head, train. Modifies ``net`` in place (the adapted
@@ -825,17 +828,18 @@ class QuantizationMismatch(ValueError):
 
 
 def check_quantized_scheme(scheme: str, quantize: str) -> None:
-    """Raise ``ValueError`` unless ``scheme`` trains the head alone, the one scheme a
-    quantized backbone takes."""
+    """Raise ``ValueError`` unless ``scheme`` is one a quantized backbone takes
+    (``QUANTIZED_SCHEMES``: the head, or adapters left float inside the backbone and the
+    head)."""
     from . import quantized
 
     if quantize not in quantized.SCHEMES:
         raise ValueError(f"quantization {quantize!r}: one of {', '.join(quantized.SCHEMES)}")
-    if scheme != QUANTIZED_SCHEME:
+    if scheme not in QUANTIZED_SCHEMES:
         raise ValueError(
-            f"scheme {scheme!r} with a quantized backbone ({quantize}): only the head trains "
-            f"through a quantized backbone (scheme {QUANTIZED_SCHEME!r}); {scheme!r} needs "
-            "gradients inside the backbone"
+            f"scheme {scheme!r} with a quantized backbone ({quantize}): {scheme!r} trains "
+            "quantized weights; a quantized backbone takes "
+            f"{' or '.join(repr(s) for s in QUANTIZED_SCHEMES)}"
         )
 
 
@@ -873,8 +877,12 @@ def quantize_for_fit(
     if not batches:
         raise ValueError(f"no calibration batch of {batch} samples in the training data")
     was_training = net.training
+    # ``apply_scheme(net, "adapter")``'s adapters stay float and train inside the backbone.
+    adapters = [f"{n}.adapter" for n, m in net.named_modules() if isinstance(m, ResidualAdapter)]
     try:
-        quantized_net = quantized.quantize_backbone(net.eval(), head(net), scheme, batches)
+        quantized_net = quantized.quantize_backbone(
+            net.eval(), head(net), scheme, batches, float_modules=adapters
+        )
     finally:
         net.train(was_training)
     quantized_net.train(was_training)

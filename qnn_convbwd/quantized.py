@@ -41,7 +41,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -65,10 +65,18 @@ class QuantizedBackbone(nn.Module):
     ``train()`` / ``eval()`` set the head's mode alone: the converted backbone computes
     as the model did in ``eval()`` (its batch norms folded), whatever the mode."""
 
-    def __init__(self, backbone: nn.Module, head: nn.Module, head_name: str) -> None:
+    def __init__(
+        self,
+        backbone: nn.Module,
+        head: nn.Module,
+        head_name: str,
+        float_modules: Sequence[str] = (),
+    ) -> None:
         super().__init__()
         self.backbone = backbone
         self.head_name = head_name
+        # modules of the backbone left float and trainable (``quantize_backbone``)
+        self.float_modules = tuple(float_modules)
         setattr(self, head_name, head)
 
     @property
@@ -115,13 +123,21 @@ def backbone_of(net: nn.Module, top: str) -> nn.Module:
 
 
 def quantize_backbone(
-    net: nn.Module, head: str, scheme: str, calibration: Iterable[torch.Tensor]
+    net: nn.Module,
+    head: str,
+    scheme: str,
+    calibration: Iterable[torch.Tensor],
+    float_modules: Sequence[str] = (),
 ) -> QuantizedBackbone:
     """``net``'s backbone quantized with ``scheme`` after calibration on the input batches
     ``calibration`` (all of one shape), under a copy of its float head (the child of
-    ``net`` holding the module named ``head``; ``head_child``). Only the head's
-    parameters require a gradient; the head keeps ``net``'s mode, the backbone
-    computes as in ``eval()``. ``net`` is left as it was."""
+    ``net`` holding the module named ``head``; ``head_child``). The head keeps ``net``'s
+    mode, the backbone computes as in ``eval()``. ``net`` is left as it was.
+
+    ``float_modules``: modules of the backbone (names in ``net``, such as a
+    ``finetune.ResidualAdapter``'s ``layer2.adapter``) left unquantized and trainable
+    inside it (``float_nodes``). Only their parameters and the head's require a
+    gradient."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     top = head_child(net, head)
@@ -145,22 +161,73 @@ def quantize_backbone(
                 f"{type(net).__name__}: its backbone (without {top!r}) does not export "
                 f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
             ) from None
+        if float_modules:
+            chosen.add_discard_nodes([n.name for n in float_nodes(exported, float_modules)])
         prepared = prepare_pt2e(exported, chosen)
         for batch in batches:
             prepared(batch)
         converted = convert_pt2e(prepared)
     _drop_unread_state(converted)
-    model = QuantizedBackbone(converted, copy.deepcopy(getattr(net, top)), top)
+    model = QuantizedBackbone(converted, copy.deepcopy(getattr(net, top)), top, float_modules)
     model.train(net.training)
+    trains = (top + ".", *(f"backbone.{m}." for m in float_modules))
     for name, parameter in model.named_parameters():
-        parameter.requires_grad_(name.startswith(top + "."))  # only the head trains
+        parameter.requires_grad_(name.startswith(trains))
     logger.info(
-        "quantized %s's backbone (%s) on %d calibration batch(es)",
+        "quantized %s's backbone (%s) on %d calibration batch(es)%s",
         type(net).__name__,
         scheme,
         len(batches),
+        f", {len(float_modules)} module(s) left float" if float_modules else "",
     )
     return model
+
+
+def _innermost_module(node: torch.fx.Node) -> str | None:
+    """The path of the module whose forward computes ``node`` (the last entry of its
+    ``nn_module_stack``), ``""`` for the top level, None when the node has no stack."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = str(list(stack.values())[-1][0])
+    # strict export writes L['self'].a.b, or the plain dotted path
+    return path.removeprefix("L['self']").removeprefix(".")
+
+
+def float_nodes(
+    exported: torch.fx.GraphModule, float_modules: Sequence[str]
+) -> list[torch.fx.Node]:
+    """The nodes of the exported backbone ``exported`` to leave unquantized for
+    ``float_modules``: those computed inside one of the modules, and the glue around
+    one that reads its output inside the module holding it (a residual
+    ``y + adapter(y)`` of the adapter's parent), so that what a float module adds to the
+    backbone is joined in float and quantized once, where the next quantized op reads
+    it. Raises ``QuantizationError`` for a module that computes no node."""
+    modules = list(float_modules)
+    inside = {
+        n
+        for n in exported.graph.nodes
+        if (path := _innermost_module(n)) is not None
+        and any(path == m or path.startswith(m + ".") for m in modules)
+    }
+    computed = {
+        m
+        for m in modules
+        for n in inside
+        if (p := _innermost_module(n)) is not None and (p == m or p.startswith(m + "."))
+    }
+    missing = [m for m in modules if m not in computed]
+    if missing:
+        raise QuantizationError(f"no node of the backbone is computed by {', '.join(missing)}")
+    parents = {m.rpartition(".")[0] for m in modules}
+    found = set(inside)
+    frontier = list(inside)
+    while frontier:
+        for user in frontier.pop().users:
+            if user not in found and _innermost_module(user) in parents:
+                found.add(user)
+                frontier.append(user)
+    return [n for n in exported.graph.nodes if n in found]
 
 
 def _drop_unread_state(module: torch.fx.GraphModule) -> None:
@@ -189,10 +256,14 @@ def int8_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def digest(model: QuantizedBackbone) -> str:
     """SHA-256 of the converted backbone: its graph's code (the activations' scales and
-    zero points are literals there) and every tensor it holds. Two quantizations of the
-    same weights on the same calibration batches have the same digest."""
+    zero points are literals there) and every tensor it holds but the parameters of its
+    float modules, which train. Two quantizations of the same weights on the same
+    calibration batches have the same digest."""
     hashed = hashlib.sha256(model.backbone.code.encode())
+    trained = tuple(m + "." for m in model.float_modules)
     for name, value in sorted(model.backbone.state_dict().items()):
+        if name.startswith(trained):  # what trains inside the backbone is not its identity
+            continue
         hashed.update(name.encode())
         hashed.update(value.detach().contiguous().view(torch.uint8).numpy().tobytes())
     for name, value in sorted(_tensor_attributes(model.backbone).items()):

@@ -5,9 +5,11 @@ torch (docs/quantized.md).
    split ``finetune.digits`` makes, 32x32 RGB) on CPU with ``torch.optim.SGD``.
 2. ``qnn_convbwd.finetune.quantize_for_fit``: its backbone quantized (8a8w by default,
    per-channel weights) and calibrated on the original digits' training images; the
-   head (``classifier``) stays float.
-3. ``finetune.fit`` with ``scheme="head"`` on the shifted digits (``SHIFTS``: inverted,
-   ``1 - x``, or rotated 90 degrees): the training program on the HTP simulator and
+   head (``classifier``) and the adapters stay float.
+3. ``finetune.fit`` on the shifted digits (``SHIFTS``: inverted, ``1 - x``, or rotated
+   90 degrees) with ``scheme`` ``"head"`` (the float head alone) or ``"adapter"`` (float
+   residual adapters inside the quantized backbone, and the head): the training program
+   on the HTP simulator and
    torch running the same converted backbone in fp32, on the same batches with the same
    in-program optimizer and learning rate, both in ``eval()`` (no dropout, so the two
    runs differ by their arithmetic alone). Accuracies on the shifted test split before
@@ -79,6 +81,7 @@ def pretrain(
 class DomainShift:
     shift: str
     quantization: str
+    scheme: str
     pretrain_seconds: float
     float_accuracy: float  # the fp32 model on the original test split
     quantized_accuracy: float  # the quantized model on the original test split
@@ -100,6 +103,7 @@ class DomainShift:
 def run(
     shift: str = "invert",
     quantization: str = "8a8w",
+    scheme: str = finetune.QUANTIZED_SCHEME,
     soc: str = "SM8650",
     steps: int | None = None,
     epochs: int | None = 1,
@@ -111,13 +115,13 @@ def run(
     calibration_batches: int = finetune.CALIBRATION_BATCHES,
     seed: int = 0,
 ) -> DomainShift:
-    """Pretrain, quantize on the original digits, fine-tune the head on the shifted ones
+    """Pretrain, quantize on the original digits, fine-tune ``scheme`` on the shifted ones
     (``steps``, else ``epochs`` of the shifted training split) beside torch."""
     split = finetune.digits(32, seed)
     start = time.perf_counter()
     net = pretrain(split, epochs=pretrain_epochs, seed=seed, samples=pretrain_samples)
     pretrain_seconds = time.perf_counter() - start
-    net = finetune.apply_scheme(net, finetune.QUANTIZED_SCHEME)
+    net = finetune.apply_scheme(net, scheme)
     model, _ = finetune.quantize_for_fit(
         copy.deepcopy(net), split.train, batch, quantization, calibration_batches, seed
     )
@@ -126,7 +130,7 @@ def run(
         model,
         moved.train,
         moved.test,
-        scheme=finetune.QUANTIZED_SCHEME,
+        scheme=scheme,
         soc=soc,
         batch=batch,
         steps=steps,
@@ -141,6 +145,7 @@ def run(
     return DomainShift(
         shift=shift,
         quantization=quantization,
+        scheme=scheme,
         pretrain_seconds=pretrain_seconds,
         float_accuracy=finetune.accuracy(net, split.test),
         quantized_accuracy=finetune.accuracy(model, split.test),
@@ -160,7 +165,8 @@ def lines(found: DomainShift) -> list[str]:
     """What the script prints."""
     gaps = [abs(a - b) for a, b in found.losses]
     return [
-        f"shift {found.shift}, backbone {found.quantization}: {found.steps} steps",
+        f"shift {found.shift}, backbone {found.quantization}, scheme {found.scheme}: "
+        f"{found.steps} steps",
         f"original test split: fp32 {100 * found.float_accuracy:.1f}%, quantized "
         f"{100 * found.quantized_accuracy:.1f}% (pretraining {found.pretrain_seconds:.0f} s)",
         f"shifted test split before the fine-tune: {100 * found.shifted_before:.1f}%",

@@ -122,23 +122,41 @@ class InputAdapted(nn.Module):
         return self.model(self.input_adapter(x))
 
 
-def adapted_torchvision(name: str, dtype: str = "8a8w", seed: int = 0) -> InputAdapted:
-    """torchvision's ``name`` (seeded random weights, 10 classes, eval()), quantized whole
-    with ``dtype`` and calibrated on seeded 32x32 batches, behind a trainable input
-    adapter: only the adapter trains."""
+def adapted_torchvision(
+    name: str, dtype: str = "8a8w", seed: int = 0, mode: str = "split", head: bool = False
+) -> InputAdapted:
+    """torchvision's ``name`` (seeded random weights, 10 classes, eval()) quantized with
+    ``dtype`` and calibrated on seeded 32x32 batches, behind a trainable input adapter.
+
+    ``mode="split"`` (``name`` one of ``quantized_backbone.MODELS``): the backbone
+    quantized alone under its float head (``quantized_backbone.quantized_model``, batch
+    norms with running statistics from train-mode passes); the head trains too when
+    ``head``. ``mode="whole"``: the whole model quantized, its classifier included, the
+    adapter alone training (torchvision's initial statistics)."""
     from qnn_convbwd.torchvision_import import import_torchvision
 
-    torchvision = import_torchvision()
-    torch.manual_seed(seed)
-    net = getattr(torchvision.models, name)(num_classes=10).eval()
-    gen = torch.Generator().manual_seed(seed)
-    images = [
-        torch.randn(qb.BATCH, 3, qb.SIZE, qb.SIZE, generator=gen)
-        for _ in range(qb.CALIBRATION_BATCHES)
-    ]
-    model = InputAdapted(_converted(net, images, dtype))
+    if mode == "split":
+        model = InputAdapted(qb.quantized_model(name, dtype, "split", seed))
+        trains = (
+            ("input_adapter.", f"model.{model.model.head_name}.") if head else ("input_adapter.",)
+        )
+    elif mode == "whole":
+        if head:
+            raise ValueError("head=True needs mode='split': a quantized head does not train")
+        torchvision = import_torchvision()
+        torch.manual_seed(seed)
+        net = getattr(torchvision.models, name)(num_classes=10).eval()
+        gen = torch.Generator().manual_seed(seed)
+        images = [
+            torch.randn(qb.BATCH, 3, qb.SIZE, qb.SIZE, generator=gen)
+            for _ in range(qb.CALIBRATION_BATCHES)
+        ]
+        model = InputAdapted(_converted(net, images, dtype))
+        trains = ("input_adapter.",)
+    else:
+        raise ValueError(f"unknown mode {mode!r}: one of {', '.join(qb.MODES)}")
     for parameter_name, parameter in model.named_parameters():
-        parameter.requires_grad_(parameter_name.startswith("input_adapter."))
+        parameter.requires_grad_(parameter_name.startswith(trains))
     return model
 
 
@@ -222,10 +240,27 @@ class Measurement:
     soc: str
     delegates: int
     on_cpu: int
+    backward_convolutions: tuple[int, int]  # (delegated, all) convolution_backward nodes
     lower_seconds: float
     step_seconds: list[float]
+    losses: list[float]  # torch's, per step
     loss_gaps: list[float]
+    int8_bytes: int  # the converted model's int8 convolution weights
+    static_bytes: int  # the QNN graph's static tensors
+    context_bytes: int
     gradients: dict[str, tuple[float, float]]
+
+
+def build(model_name: str, dtype: str, adapters: tuple[str, ...], head: bool = False):
+    """``(model, adapters)``: ``"cifar"`` (``adapted_cifar`` with ``adapters``),
+    ``"cifar_qat"`` (``qat_cifar``) or a torchvision model (``adapted_torchvision``, split:
+    an input adapter, and the head when ``head``)."""
+    if model_name == "cifar":
+        return adapted_cifar(dtype, adapters), adapters
+    if model_name == "cifar_qat":
+        return qat_cifar(dtype), ("input",)
+    model = adapted_torchvision(model_name, dtype, head=head)
+    return model, ("input", "head") if head else ("input",)
 
 
 def measure(
@@ -233,57 +268,59 @@ def measure(
     dtype: str = "8a8w",
     soc: str = "SM8650",
     steps: int = 3,
-    lr: float = 0.05,
+    lr: float | None = None,
     model_name: str = "cifar",
+    head: bool = False,
 ) -> Measurement:
-    """Quantize, lower for training (the context and lowering caches off), step
-    ``steps`` times beside torch, and compare one step's gradients. ``model_name``:
-    ``"cifar"`` (``adapted_cifar`` with ``adapters``), ``"cifar_qat"`` (``qat_cifar``)
-    or a torchvision model (``adapted_torchvision``: an input adapter)."""
+    """Quantize (``build``), lower for training (the context and lowering caches off),
+    step ``steps`` times beside torch at ``lr`` (``quantized_backbone.LR`` of the model
+    when None), and compare one step's gradients."""
     import qnn_convbwd
-    from qnn_convbwd import training
-    from qnn_convbwd.toolchain import harness
 
-    if model_name == "cifar":
-        model: nn.Module = adapted_cifar(dtype, adapters)
-    elif model_name == "cifar_qat":
-        model, adapters = qat_cifar(dtype), ("input",)
-    else:
-        model, adapters = adapted_torchvision(model_name, dtype), ("input",)
+    model, adapters = build(model_name, dtype, adapters, head)
     data = qb.batches(steps + 2)
-    with qnn_convbwd.enabled(context_cache=False, lowering_cache=False):
-        program = training.lower_for_training(
-            training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
-            data[0],
-            harness.compile_specs(soc),
-        )
-    done = train_both(model, program, data[1:-1], lr)
+    with qnn_convbwd.enabled(lowering_cache=False):
+        lowered = qb.lower(model, data[0], soc)
+    program = lowered.program
+    rate = lr if lr is not None else qb.LR.get(model_name, qb.LR["cifar"])
+    done = train_both(model, program, data[1:-1], rate)
+    rows = program.report.rows
     return Measurement(
         model=model_name,
         adapters=tuple(adapters),
         dtype=dtype,
         soc=soc,
-        delegates=harness.delegate_count(program.edge),
-        on_cpu=len(program.report.on_cpu),
-        lower_seconds=program.lowering_seconds,
+        delegates=lowered.delegates,
+        on_cpu=len(lowered.on_cpu),
+        backward_convolutions=(sum(row.delegated for row in rows), len(rows)),
+        lower_seconds=lowered.lower_seconds,
         step_seconds=[s for _, _, s in done],
+        losses=[theirs for _, theirs, _ in done],
         loss_gaps=[abs(a - b) for a, b, _ in done],
+        int8_bytes=sum(w.numel() for w in qb.int8_weights(model).values()),
+        static_bytes=lowered.static_bytes,
+        context_bytes=lowered.context_bytes,
         gradients=gradient_agreement(model, program, data[-1]),
     )
 
 
 def markdown_row(m: Measurement) -> str:
     gaps = ", ".join(f"{g:.1e}" for g in m.loss_gaps)
+    losses = ", ".join(f"{v:.3f}" for v in m.losses)
     steps = ", ".join(f"{s:.2f}" for s in m.step_seconds)
     grads = ", ".join(f"{n} {c:.3f} / {r:.2f}" for n, (c, r) in m.gradients.items())
+    delegated, rows = m.backward_convolutions
     return (
         f"| {m.model} | {', '.join(m.adapters)} | {m.dtype} | {m.soc} | {m.delegates} | "
-        f"{m.on_cpu} | {m.lower_seconds:.1f} | {steps} | {gaps} | {grads} |"
+        f"{m.on_cpu} | {delegated} / {rows} | {m.lower_seconds:.1f} | {steps} | {losses} | "
+        f"{gaps} | {m.int8_bytes:,} | {m.static_bytes:,} | {m.context_bytes:,} | {grads} |"
     )
 
 
 MARKDOWN_HEAD = (
-    "| model | adapters | quantization | SoC | delegates | ops on CPU | lower s | step s "
-    "| loss gap per step | gradient cosine / norm ratio |\n"
-    "|---|---|---|---|---|---|---|---|---|---|"
+    "| model | trains | quantization | SoC | delegates | ops on CPU "
+    "| convolution_backward delegated | lower s | step s | torch's loss per step "
+    "| loss gap per step | int8 weights B | static B | context B "
+    "| gradient cosine / norm ratio |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )

@@ -1,7 +1,7 @@
-"""Fine-tune a quantized backbone's head on shifted digits on the simulator, beside torch,
-and print the accuracies (docs/quantized.md).
+"""Fine-tune a quantized backbone's head, or adapters inside it and the head, on shifted
+digits on the simulator, beside torch, and print the accuracies (docs/quantized.md).
 
-    python scripts/quantized_domain_shift.py --shift invert --epochs 1
+    python scripts/quantized_domain_shift.py --shift invert --scheme adapter --epochs 1
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from qnn_convbwd import finetune
 from qnn_convbwd_dev import quantized_domain_shift as ds
 
 
@@ -16,6 +17,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shift", choices=ds.SHIFTS, default="invert")
     parser.add_argument("--quantize", choices=["8a8w", "16a8w"], default="8a8w")
+    parser.add_argument(
+        "--scheme", choices=finetune.QUANTIZED_SCHEMES, default=finetune.QUANTIZED_SCHEME
+    )
     parser.add_argument("--soc", default="SM8650")
     length = parser.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int)
@@ -29,6 +33,7 @@ def main() -> None:
     found = ds.run(
         args.shift,
         args.quantize,
+        args.scheme,
         args.soc,
         steps=args.steps,
         epochs=args.epochs,

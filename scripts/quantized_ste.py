@@ -3,6 +3,11 @@ estimator) for training and step them beside torch: one Markdown row per configu
 (docs/quantized.md).
 
     python scripts/quantized_ste.py --models cifar resnet18 --dtypes 8a8w --socs SM8650
+
+``cifar``: ExecuTorch's CIFAR model with the adapters of ``--adapters``; ``cifar_qat``:
+its quantization-aware-trained features behind an input adapter; ``resnet18``,
+``mobilenet_v2``: the backbone quantized under its float head, behind an input adapter
+(``--head``: the head trains too).
 """
 
 from __future__ import annotations
@@ -20,13 +25,23 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["8a8w"], choices=sorted(qb.DTYPES))
     parser.add_argument("--socs", nargs="+", default=["SM8650"])
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--head", action="store_true", help="the torchvision models' float head trains too"
+    )
+    parser.add_argument("--lr", type=float, help="SGD rate (default: the model's)")
     args = parser.parse_args()
     print(qs.MARKDOWN_HEAD, flush=True)
     for model in args.models:
         for dtype in args.dtypes:
             for soc in args.socs:
                 measured = qs.measure(
-                    tuple(args.adapters), dtype, soc, steps=args.steps, model_name=model
+                    tuple(args.adapters),
+                    dtype,
+                    soc,
+                    steps=args.steps,
+                    lr=args.lr,
+                    model_name=model,
+                    head=args.head,
                 )
                 print(qs.markdown_row(measured), flush=True)
 

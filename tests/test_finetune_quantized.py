@@ -1,5 +1,6 @@
 """``qnn-convbwd finetune --quantize``: the backbone quantized on the training data, the
-float head alone trained; its outputs, checkpoints, resume and refusals.
+float head trained (``--scheme head``) or float adapters inside the backbone and the
+head (``--scheme adapter``); its outputs, checkpoints, resume and refusals.
 
 The runs train the small ConvBn net of ``test_finetune_tool`` on its tiny ImageFolders
 of digits at 8x8, as the CPU-only program (SM8350), so they lower in seconds. There
@@ -62,15 +63,15 @@ def _quantized_model(folders, report: dict) -> quantized.QuantizedBackbone:
     return model
 
 
-def test_only_the_head_trains_through_a_quantized_backbone(folders, tmp_path, capsys):
-    """A scheme with gradients inside the backbone is refused before anything is written,
-    with the reason; so is a library call."""
-    for scheme in ("full", "bias-only", "last-layers", "adapter"):
+def test_a_scheme_training_quantized_weights_is_refused(folders, tmp_path, capsys):
+    """A scheme whose gradients would update quantized weights is refused before anything
+    is written, with the reason; so is a library call."""
+    for scheme in ("full", "bias-only", "last-layers"):
         out = tmp_path / scheme
         err = _refused([*run_args(*folders, out), "--scheme", scheme], capsys, out)
-        assert f"--scheme {scheme} with --quantize" in err
-        assert "only the head trains through a quantized backbone" in err
-    with pytest.raises(ValueError, match="only the head trains through a quantized backbone"):
+        assert f"--scheme {scheme} with --quantize: it trains quantized weights" in err
+        assert "--scheme head or adapter" in err
+    with pytest.raises(ValueError, match="'bias-only' trains quantized weights"):
         finetune.fit(torch.nn.Linear(2, 2), (torch.zeros(4, 2), torch.zeros(4)), None,
                      scheme="bias-only", quantize="8a8w")  # fmt: skip
 

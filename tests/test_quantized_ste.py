@@ -195,6 +195,57 @@ class _Sum(nn.Module):
         return self.inner(x).sum()
 
 
+class _Adapted(nn.Module):
+    """conv -> (y + adapter(y)) -> relu -> conv: a residual adapter inside a backbone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from qnn_convbwd import finetune
+
+        self.first = finetune.ResidualAdapter(nn.Conv2d(3, 4, 3, padding=1), 4)
+        self.relu = nn.ReLU()
+        self.last = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.last(self.relu(self.first(x)))
+
+
+def test_float_nodes_are_the_adapter_and_its_residual_join():
+    """``quantized.float_nodes``: the adapter's convolution and the residual add of its
+    parent, which reads it; not the wrapped block, nor what follows the join."""
+    exported = torch.export.export(_Adapted().eval(), (torch.zeros(1, 3, 8, 8),), strict=True)
+    module = exported.module()
+    found = quantized.float_nodes(module, ["first.adapter"])
+    convolutions = [n for n in module.graph.nodes if n.target == torch.ops.aten.conv2d.default]
+    assert len(convolutions) == 3
+    adds = [n for n in module.graph.nodes if n.target == torch.ops.aten.add.Tensor]
+    assert found == [convolutions[1], *adds], [n.name for n in found]
+    with pytest.raises(quantized.QuantizationError, match="first.missing"):
+        quantized.float_nodes(module, ["first.missing"])
+
+
+@pytest.mark.htp  # executorch's QnnQuantizer reads the QAIRT version from the SDK's libraries
+def test_a_float_adapter_inside_the_backbone_trains_and_the_rest_is_quantized():
+    """``quantize_backbone(float_modules=...)``: the adapter's weights stay float and
+    require a gradient, the other convolutions' are int8; with the adapter at zero the
+    model computes what the backbone quantized without it computes."""
+    from qnn_convbwd import finetune
+
+    net = nn.Sequential(_Adapted(), nn.Flatten(), nn.Linear(256, 3)).eval()
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randn(2, 3, 8, 8, generator=gen) for _ in range(3)]
+    model = quantized.quantize_backbone(net, "2", "8a8w", batches, ["0.first.adapter"])
+    trains = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trains == [
+        "2.bias", "2.weight", "backbone.0.first.adapter.bias", "backbone.0.first.adapter.weight",
+    ]  # fmt: skip
+    assert len(quantized.int8_weights(model)) == 2
+    assert isinstance(net[0].first, finetune.ResidualAdapter)
+    plain = quantized.quantize_backbone(net, "2", "8a8w", batches)
+    with torch.no_grad():
+        assert torch.equal(model(batches[0]), plain(batches[0]))
+
+
 # --- on the simulator ---------------------------------------------------------------------
 
 

@@ -84,8 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=sorted(quantized.SCHEMES),
         help="quantize the backbone (executorch's QnnQuantizer, per-channel int8 weights; "
-        "8- or 16-bit activations) after calibration on the training data; the head stays "
-        f"float and alone trains (--scheme {finetune.QUANTIZED_SCHEME})",
+        "8- or 16-bit activations) after calibration on the training data; the head "
+        "stays float and trains (--scheme head), with float adapters inside the backbone "
+        "(--scheme adapter)",
     )
     model.add_argument(
         "--calibration-batches",
@@ -237,11 +238,10 @@ def prepare(args: argparse.Namespace) -> Inputs:
     if args.scheme is None:
         args.scheme = finetune.QUANTIZED_SCHEME if args.quantize else "full"
     if args.quantize is not None:
-        if args.scheme != finetune.QUANTIZED_SCHEME:
+        if args.scheme not in finetune.QUANTIZED_SCHEMES:
             raise UsageError(
-                f"--scheme {args.scheme} with --quantize: only the head trains through a "
-                f"quantized backbone (--scheme {finetune.QUANTIZED_SCHEME}); {args.scheme} "
-                "needs gradients inside the backbone"
+                f"--scheme {args.scheme} with --quantize: it trains quantized weights; a "
+                f"quantized backbone takes --scheme {' or '.join(finetune.QUANTIZED_SCHEMES)}"
             )
         if args.calibration_batches <= 0:
             raise UsageError("--calibration-batches must be positive")

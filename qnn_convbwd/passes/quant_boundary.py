@@ -50,11 +50,12 @@ def _quantize_ops() -> set:
 
 
 def _floating(node: torch.fx.Node) -> bool:
-    """A floating output (the first output of a node with several: a max pool's values),
-    or a boolean one (a comparison, which reads its operands as float)."""
+    """A floating output (the first output present of a node with several: a max pool's
+    values, a ``convolution_backward``'s grad_input or, when that is not computed, its
+    grad_weight), or a boolean one (a comparison, which reads its operands as float)."""
     value = node.meta.get("val")
-    if isinstance(value, (tuple, list)) and value:
-        value = value[0]
+    if isinstance(value, (tuple, list)):
+        value = next((v for v in value if v is not None), None)
     return isinstance(value, torch.Tensor) and (
         value.dtype.is_floating_point or value.dtype == torch.bool
     )

@@ -287,16 +287,30 @@ def apply_scheme(net: nn.Module, scheme: str, size: int = 32) -> nn.Module:
       1x1 convolution, residual) after each of the ``ADAPTED_BLOCKS`` blocks before
       the last one, and the head, train. Modifies ``net`` in place (the adapted
       blocks move under ``<block>.block``); ``size`` is the input size of the pass
-      that finds each block's channels.
+      that finds each block's channels. On a ``quantized.QuantizedBackbone``
+      quantized with its adapters left float (``quantize_for_fit``), ``adapter``
+      trains those adapters and the head child and adds none.
 
     Frozen batch norms still normalise with the batch's statistics and update their
     running statistics in ``train()``, as in torch.
     """
+    from .quantized import QuantizedBackbone
+
     if scheme not in SCHEMES:
         raise ValueError(f"scheme {scheme!r}: one of {', '.join(SCHEMES)}")
     names = [name for name, _ in net.named_parameters()]
     top = head(net) + "."
-    if scheme == "full":
+    if isinstance(net, QuantizedBackbone) and scheme == "adapter":
+        # Quantized with its adapters left float (``quantize_for_fit``): they and the
+        # head child train, as ``quantized.quantize_backbone`` set them.
+        if not net.float_modules:
+            raise ValueError(
+                "scheme 'adapter' on a quantized backbone without adapters: apply it to the "
+                "float model before quantizing (finetune.quantize_for_fit)"
+            )
+        inside = tuple(f"backbone.{m}." for m in net.float_modules)
+        train = {n for n in names if n.startswith((net.head_name + ".", *inside))}
+    elif scheme == "full":
         train = set(names)
     elif scheme == "bias-only":
         train = {n for n in names if n.endswith(".bias") or n.startswith(top)}
@@ -637,7 +651,7 @@ def fit(
     converted backbone in fp32. A checkpoint holds the converted backbone's digest;
     a resume quantizes again and is refused when the digest differs.
     """
-    from . import training
+    from . import quantized, training
     from .api import enabled
     from .passes import dropout
     from .toolchain import harness
@@ -686,6 +700,10 @@ def fit(
         )
 
     reference = copy.deepcopy(net) if torch_reference else None
+    if reference is not None and quantized.holds_activation_pairs(reference):
+        # The gradients of adapters inside a quantized backbone pass its quantizes as in
+        # the program: by the straight-through estimator (the same forward values).
+        quantized.straight_through(reference)
     reference_optimizer = (
         chosen.torch_optimizer([p for p in reference.parameters() if p.requires_grad])
         if reference is not None

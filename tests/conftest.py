@@ -160,6 +160,22 @@ def resnet18_bias_only_on_sm8650(qnn_sdk, resnet18_bias_only):
 
 
 @pytest.fixture(scope="session")
+def finetune_run(qnn_sdk, tmp_path_factory):
+    """One finished ``qnn-convbwd finetune --cpu`` run of test_finetune_tool's small model
+    on its digit folders: ((train folder, held-out folder), out folder, printed output).
+    test_finetune_tool checks its outputs, test_device_train trains its train.pte on the
+    fake device."""
+    import test_finetune_tool as tool
+
+    root = tmp_path_factory.mktemp("digits")
+    folders = tool.make_folder(root / "train", 20), tool.make_folder(root / "val", 5, offset=20)
+    out = tmp_path_factory.mktemp("run") / "run"
+    code, printed = tool._main(tool.run_args(*folders, out))
+    assert code == 0, printed
+    return folders, out, printed
+
+
+@pytest.fixture(scope="session")
 def cifar_on_sm8650(qnn_sdk):
     """``lowered(trainable)``: ExecuTorch's CIFAR-10 model (``models.cifar_case``), its
     joint program and a copy of it lowered for SM8650, once per scheme and session;

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 # Modules whose tests read the same session fixture or cached graph: the resnet18
-# bias-only lowering, the CIFAR lowerings, the SiLU block's edge program.
+# bias-only lowering, the CIFAR lowerings, the SiLU block's edge program, the finished
+# finetune run.
 SHARED_GROUPS = {
     "test_zoo": "resnet18_bias_only",
     "test_max_pool_zoo": "resnet18_bias_only",
@@ -28,6 +29,8 @@ SHARED_GROUPS = {
     "test_training": "cifar_on_sm8650",
     "test_sigmoid": "silu_block",
     "test_distribute_mul": "silu_block",
+    "test_finetune_tool": "finetune_run",
+    "test_device_train": "finetune_run",
 }
 
 # Rough cost of one test, to start the longest units first: an htp test compiles for

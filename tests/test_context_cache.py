@@ -115,6 +115,7 @@ def test_switches(monkeypatch):
 
 
 def _cli(*args: str) -> str:
+    """``python -m qnn_convbwd.cli cache ...`` in a new process: its standard output."""
     done = subprocess.run(
         [sys.executable, "-m", "qnn_convbwd.cli", "cache", *args],
         capture_output=True,
@@ -125,6 +126,18 @@ def _cli(*args: str) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def _cli_here(*args: str) -> str:
+    """The same command run by ``cli.main`` in this process: its standard output."""
+    import contextlib
+
+    from qnn_convbwd import cli
+
+    buffer = io.StringIO()
+    with contextlib.redirect_stdout(buffer):
+        assert cli.main(["cache", *args]) == 0
+    return buffer.getvalue()
 
 
 def test_cli_lists_and_clears(tmp_path):
@@ -138,9 +151,9 @@ def test_cli_lists_and_clears(tmp_path):
     assert "SM8650" in listing and "SM8550" in listing
     (line,) = [row for row in listing.splitlines() if row.startswith(_key(3)[:16])]
     assert "lowering" in line and "SM8850" in line and "2 delegate(s)" in line
-    assert "deleted 3 entries" in _cli("clear", "--dir", str(tmp_path))
+    assert "deleted 3 entries" in _cli_here("clear", "--dir", str(tmp_path))
     assert context_cache.entries(tmp_path) == []
-    assert "0 entries" in _cli("list", "--dir", str(tmp_path))
+    assert "0 entries" in _cli_here("list", "--dir", str(tmp_path))
 
 
 # --- lowerings on the HTP compiler and simulator ----------------------------------

@@ -260,7 +260,7 @@ def test_trained_pairs_fold_on_the_device_and_compute_the_same_step(trains, zero
 def test_folded_bias_only_step_is_one_delegate_and_within_fidelity(qnn_sdk):
     from qnn_convbwd.toolchain import harness
 
-    graph = nm.bn_training_graph(train="bias")
+    graph = nm.bn_training_graph(train="bias", backbone_fn=_stem_and_block)
     with qnn_convbwd.enabled(batch_norm="fold"):
         compiled = harness.lower_program(graph.program, "SM8650")
     program = compiled.edge.exported_program()

@@ -48,24 +48,12 @@ def python_file(path: Path, source: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, qnn_sdk):
-    """A finished ``qnn-convbwd finetune --cpu`` run (2 steps) and a data folder."""
-    import contextlib
-    import io
-
-    from test_finetune_tool import MODEL, make_folder
-
-    from qnn_convbwd import cli
-
-    root = tmp_path_factory.mktemp("device_train")
-    data = make_folder(root / "data", 5)  # 4 classes x 5 images: 5 batches of 4
-    out = root / "run"
-    argv = ["finetune", "--model", MODEL, "--data", str(data), "--val", str(data),
-            "--size", "8", "--batch", "4", "--steps", "2", "--cpu", "--out", str(out)]  # fmt: skip
-    buffer = io.StringIO()
-    with contextlib.redirect_stdout(buffer):
-        assert cli.main(argv) == 0, buffer.getvalue()
-    return out, data
+def run(finetune_run):
+    """A finished ``qnn-convbwd finetune --cpu`` run (conftest's ``finetune_run``, shared
+    with test_finetune_tool) and a data folder: the run's held-out folder, 4 classes x 5
+    images, so 5 batches of 4."""
+    (_, held_out), out, _ = finetune_run
+    return out, held_out
 
 
 @pytest.fixture

@@ -197,8 +197,12 @@ def test_fit_torch_copy_drops_what_the_program_drops(digits8):
 
 @pytest.mark.htp
 def test_fit_on_the_simulator_tracks_torch(digits8, qnn_sdk):
-    result = finetune.fit(small_net(), digits8.train, digits8.test, batch=8, steps=3, lr=0.1)
+    result = finetune.fit(
+        small_net(), digits8.train, digits8.test, batch=8, steps=4, eval_every=2, lr=0.1
+    )
     assert result.delegates >= 1 and not result.cpu_only
+    assert [e.step for e in result.evaluations] == [0, 2, 4]
+    assert result.dropped_per_epoch == 1500 % 8
     assert_tracks_torch(result, 3e-2)
     assert result.mean_step_seconds > 0
 

@@ -3,9 +3,9 @@ bad input.
 
 The runs train a small ConvBn net (``--model test_finetune_tool:small_model``) on
 tiny ImageFolders of PNGs made from scikit-learn's digits at 8x8, as the CPU-only
-program (SM8350), so they lower in seconds. One finished run (``finished``) is
-shared by the output tests; the resume test kills a second run with SIGKILL and
-compares the resumed run with it.
+program (SM8350), so they lower in seconds. One finished run (``finished``, made by
+conftest's ``finetune_run``) is shared by the output tests and test_device_train;
+the resume test kills a second run with SIGKILL and compares the resumed run with it.
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ def make_folder(root: Path, per_class: int, offset: int = 0, classes: int = 4) -
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("digits")
-    return make_folder(root / "train", 20), make_folder(root / "val", 5, offset=20)
+def folders(finetune_run):
+    """The training and held-out folders of the finished run."""
+    return finetune_run[0]
 
 
 def run_args(train: Path, val: Path, out: Path) -> list[str]:
@@ -92,11 +92,10 @@ def run_args(train: Path, val: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def finished(folders, tmp_path_factory, qnn_sdk):
-    """One uninterrupted run with the torch copy: (out folder, printed output)."""
-    out = tmp_path_factory.mktemp("run") / "run"
-    code, printed = _main(run_args(*folders, out))
-    assert code == 0, printed
+def finished(finetune_run):
+    """One uninterrupted run with the torch copy, ``run_args`` on ``folders`` (conftest's
+    ``finetune_run``, shared with test_device_train): (out folder, printed output)."""
+    _, out, printed = finetune_run
     return out, printed
 
 

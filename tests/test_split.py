@@ -147,19 +147,26 @@ def _lower(case, **overrides):
         return harness.lower_program(case.joint(), SOC)
 
 
-@pytest.mark.htp
-@pytest.mark.parametrize("max_ops", [15, 6])
-def test_split_demo_trains_as_one_delegate_does(qnn_sdk, max_ops):
-    """At 6 ops a piece, four of the nine delegates list their outputs in another
-    order than QNN builds them: their QNN ops are reordered (delegate_io)."""
+@pytest.fixture(scope="module")
+def demo_whole(qnn_sdk):
+    """The demo lowered as one delegate and its SGD steps beside torch's, shared by the
+    split cases."""
     case = models.adapter_case("demo", trainable=True)
     whole = _lower(case)
+    return case, whole, training.train_side_by_side(whole.pte, case.model, case.inputs, STEPS, LR)
+
+
+@pytest.mark.htp
+@pytest.mark.parametrize("max_ops", [15, 6])
+def test_split_demo_trains_as_one_delegate_does(demo_whole, max_ops):
+    """At 6 ops a piece, four of the nine delegates list their outputs in another
+    order than QNN builds them: their QNN ops are reordered (delegate_io)."""
+    case, whole, one = demo_whole
     pieces = _lower(case, max_delegate_ops=max_ops)
     assert harness.delegate_count(whole.edge) == 1
     assert harness.delegate_count(pieces.edge) >= 3
     assert pieces.report.delegated == len(pieces.report.rows) == whole.report.delegated
     assert [c.op for c in pieces.report.on_cpu] == [c.op for c in whole.report.on_cpu]
-    one = training.train_side_by_side(whole.pte, case.model, case.inputs, STEPS, LR)
     run = training.train_side_by_side(pieces.pte, case.model, case.inputs, STEPS, LR)
     # A delegate boundary is exact for fp16 values: the same steps, to fp16 noise.
     for a, b in zip(one.steps, run.steps, strict=True):

@@ -316,9 +316,10 @@ def test_train_mode_batch_norm_trains_with_weights_in_torch_layout(name, qnn_sdk
 @pytest.mark.htp
 def test_v68_trains_train_mode_batch_norm_on_cpu(qnn_sdk):
     """Below V69 the whole training graph runs on executorch's CPU kernels: the rewritten
-    batch norm is core ATen they run, in fp32 (so tighter than the HTP's bound)."""
+    batch norm is core ATen they run, in fp32 (so tighter than the HTP's bound).
+    test_rewritten_program_steps_as_torch_eager steps the other variants' rewrites."""
     torch.manual_seed(0)
-    model = Residual().train()
+    model = ConvBn().train()
     x, y = _inputs(model)
     result, pte, mutable = _lower(model, x, y, "SM8350")
     assert _delegates(result) == 0

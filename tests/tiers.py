@@ -73,6 +73,11 @@ LONG: dict[str, str] = {
     "tests/test_finetune.py::test_fit_resumes_adamw_from_its_checkpoint_to_the_bit": (
         "three AdamW fits; finetune's resume is tested to the bit in test_finetune_tool"
     ),
+    "tests/test_finetune.py::test_fit_cpu_only_program_tracks_torch": (
+        "a CPU-only fit; test_finetune_tool's run fits the CPU-only program and checks its "
+        "losses against torch's, and test_fit_on_the_simulator_tracks_torch checks the "
+        "tracking and the evaluation schedule"
+    ),
     "tests/test_finetune.py::test_cli_end_to_end_writes_png": (
         "the command end to end; test_finetune_tool runs it"
     ),
@@ -186,6 +191,14 @@ LONG: dict[str, str] = {
     "tests/test_state_dict.py::test_program_state_resumes_an_in_program_optimizer_to_the_bit": (
         "in-program SGD's state; test_optimizer resumes an in-program AdamW from its state "
         "dicts to the bit"
+    ),
+    "tests/test_cpu1d.py::test_skip_options_keep_1d_nodes_on_cpu[op]": (
+        "every 1-D convolution backward kept on CPU by the op skip; [id] keeps one there "
+        "by the skip options and test_v68_runs_every_1d_node_on_cpu_as_2d runs them all on "
+        "CPU as 2-D"
+    ),
+    "tests/test_core.py::test_frozen_backbone_training_graph[stride2_block-10]": (
+        "the strided block at an even size; [stride2_block-9] runs the same check on it"
     ),
     "tests/test_dropout.py::test_cifar_train_decides_one_delegate_with_the_draw_on_cpu": (
         "decide() on the CIFAR model; test_cifar_train_is_one_delegate lowers it"

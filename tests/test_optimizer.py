@@ -382,9 +382,10 @@ def test_adamw_on_the_htp_follows_torch(qnn_sdk):
 # --- a frozen eval-mode batch norm inside a training model ------------------------------
 
 
-def _frozen_eval_bn_model() -> nn.Module:
-    """A training model whose first convolution and batch norm are frozen, the batch
-    norm in eval() (frozen statistics): only the linear head trains."""
+def _frozen_eval_bn_model(affine_trains: bool = False) -> nn.Module:
+    """A training model whose first convolution is frozen and whose batch norm is in
+    eval() (frozen statistics): the linear head trains, and the batch norm's weight and
+    bias with ``affine_trains``."""
     torch.manual_seed(0)
     net = nn.Sequential(
         nn.Conv2d(3, 8, 3, padding=1),
@@ -396,7 +397,7 @@ def _frozen_eval_bn_model() -> nn.Module:
     )
     net.train()
     net[1].eval()
-    for module in (net[0], net[1]):
+    for module in (net[0],) if affine_trains else (net[0], net[1]):
         for p in module.parameters():
             p.requires_grad_(False)
     return net
@@ -407,16 +408,24 @@ def _frozen_eval_bn_model() -> nn.Module:
     [
         "sgd",
         pytest.param("adamw", marks=pytest.mark.slow(reason="another CPU lowering: AdamW")),
+        pytest.param(
+            "sgd-affine",
+            marks=pytest.mark.slow(
+                reason="another CPU lowering; test_train_mode's test_updated_buffers_start_"
+                "from_their_own_values checks the emission it relies on"
+            ),
+        ),
     ],
 )
 def test_a_frozen_eval_batch_norm_trains_like_torch(case, qnn_sdk):
     """The eval batch norm's lowering folds arithmetic on the frozen buffers it reads
     into constants; the buffers the program writes (the optimizer's step count and
-    state, the head's parameters) stay run-time values: the program lowers, and each
+    state, the head's parameters, with ``-affine`` the batch norm's weight and bias)
+    stay run-time values and start from the model's: the program lowers, and each
     step's loss, the parameters and the optimizer state follow torch.optim."""
-    optimizer = {"sgd": training.SGD(0.05, momentum=0.9), "adamw": training.AdamW(0.01)}[case]
+    optimizer = training.AdamW(0.01) if case == "adamw" else training.SGD(0.05, momentum=0.9)
     batches = [(x, y % 4) for x, y in _batches(STEPS)]
-    model = _frozen_eval_bn_model()
+    model = _frozen_eval_bn_model(affine_trains=case.endswith("-affine"))
     program = training.lower_for_training(
         training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
         batches[0],
@@ -439,7 +448,8 @@ def test_a_frozen_eval_batch_norm_trains_like_torch(case, qnn_sdk):
     # The eval batch norm's step counter is read by no op of the program.
     assert set(theirs) - set(ours) == {"1.num_batches_tracked"}
     _assert_close(ours, {k: v for k, v in theirs.items() if k in ours}, **TOLERANCE)
-    for name in ("5.weight", "5.bias"):  # the head trained
+    trained = ["5.weight", "5.bias"] + (["1.weight", "1.bias"] if "affine" in case else [])
+    for name in trained:
         assert not torch.equal(theirs[name], model.state_dict()[name]), name
     _assert_optimizer_state_close(
         session.optimizer_state_dict(), torch_optimizer.state_dict(), **TOLERANCE

@@ -173,6 +173,11 @@ INTERNALS: tuple[tuple[str, str, str], ...] = (
         "patched: a joint program's gradient and parameter indices skip buffer mutations",
     ),
     (
+        "executorch.exir.emit._emitter",
+        "_Emitter._tensor_spec_to_evalue",
+        "patched: a named mutable buffer's initial value is never another constant's",
+    ),
+    (
         "executorch.extension.pybindings.portable_lib",
         "_load_program_from_buffer",
         "training sessions: one loaded program whose methods keep their state",
@@ -409,6 +414,9 @@ class Hooks:
     # (original, methods) -> the training metadata executorch emits
     # (``__et_training_*`` methods); ``original(methods)`` is executorch's own.
     training_metadata: Callable[[Callable[[Any], dict], Any], dict] | None = None
+    # (original, emitter, spec, *args) -> the EValue executorch's emitter writes for a
+    # tensor spec; ``original(*args)`` is executorch's own ``_tensor_spec_to_evalue``.
+    tensor_spec_value: Callable[..., Any] | None = None
     # Called after QnnPartitioner.partition has tagged the program: (edge_program,
     # partition_tags), the tags' dict of the PartitionResult (which it may extend).
     after_partition: Callable[[Any, dict[str, Any]], None] | None = None
@@ -606,6 +614,19 @@ def _patch_training_metadata(p: _Patches, hooks: Hooks) -> None:
     p.set_attr(emit, "_get_training_metadata", training_metadata)
 
 
+def _patch_tensor_values(p: _Patches, hooks: Hooks) -> None:
+    """executorch's emitter: the value written for each tensor of a program."""
+    if hooks.tensor_spec_value is None:
+        return
+    emitter = owner("_Emitter._tensor_spec_to_evalue")
+    orig_value = emitter._tensor_spec_to_evalue
+
+    def tensor_spec_value(self, spec, *args, **kwargs):
+        return hooks.tensor_spec_value(lambda: orig_value(self, spec, *args, **kwargs), self, spec)
+
+    p.set_attr(emitter, "_tensor_spec_to_evalue", tensor_spec_value)
+
+
 def _patch_pass_manager(p: _Patches, hooks: Hooks) -> None:
     """QnnPassManager: the plugin's to_edge transform passes, activated and ordered."""
     pm_cls = owner("QnnPassManager.get_default_pass_activations")
@@ -743,6 +764,7 @@ def _apply(p: _Patches, hooks: Hooks) -> None:
         _patch_operator_support,
         _patch_partitioner,
         _patch_training_metadata,
+        _patch_tensor_values,
         _patch_preprocess,
         _patch_pass_manager,
         _patch_int64,

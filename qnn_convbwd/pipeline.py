@@ -633,6 +633,15 @@ def stages() -> tuple[Stage, ...]:
             "a joint program's gradient and parameter indices skip buffer mutations",
             hook="training_metadata",
         ),
+        Stage(
+            "emit",
+            "mutable_buffer_values",
+            signature.mutable_initial_value,
+            "a buffer the program mutates starts from its own value, also when a constant "
+            "holds the same bytes (executorch's emitter would look it up among the "
+            "constants and read another buffer's)",
+            hook="tensor_spec_value",
+        ),
     )
 
 

@@ -14,6 +14,9 @@ is frozen and may be baked into the delegate.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch.export.graph_signature import OutputKind
 
@@ -96,3 +99,35 @@ def runtime_training_metadata(original, methods: dict) -> dict:
             if isinstance(index, int):
                 metadata[prefix + name] = index - sum(k in _MUTATIONS for k in kinds[:index])
     return metadata
+
+
+def mutable_initial_value(original: Callable[[], Any], emitter: Any, spec: Any) -> Any:
+    """executorch's EValue of ``spec``, whose initial value, when it is a mutable buffer
+    emitted by name, is looked up among the mutable buffers' values.
+
+    executorch 1.5.1's emitter stores the initial value of a memory-planned buffer the
+    program mutates (``et_init_buffer``) in the mutable data segment, but when the
+    buffer's name is emitted (``emit_mutable_buffer_names``, what the training sessions
+    read buffers by) it looks the value's bytes up among the *constants* already
+    stored, and uses a hit's index in the mutable segment: a trained batch-norm weight
+    of ones, or a zero momentum buffer, then starts from another buffer's values
+    whenever a constant holds the same bytes (a frozen batch norm's running variance or
+    mean). Here that look-up reads the mutable buffers' own table, which the emitter
+    fills as it stores them."""
+    info = getattr(spec, "extra_tensor_info", None)
+    named_mutable = (
+        getattr(spec, "const", False)
+        and spec.mem_id is not None
+        and spec.mem_offset is not None
+        and info is not None
+        and getattr(info.location, "name", "") != "EXTERNAL"
+    )
+    if not named_mutable:
+        return original()
+    state = emitter.program_state
+    constants = state.cached_spec_hash_values
+    state.cached_spec_hash_values = state.cached_spec_mutable_hash_values
+    try:
+        return original()
+    finally:
+        state.cached_spec_hash_values = constants

@@ -377,3 +377,110 @@ def test_adamw_on_the_htp_follows_torch(qnn_sdk):
         assert abs(loss - expected.item()) <= 3e-2 * max(1.0, abs(expected.item()))
     assert session.loss_scale == 2.0**16  # no step skipped
     session.close()
+
+
+# --- a frozen eval-mode batch norm inside a training model ------------------------------
+
+
+def _frozen_eval_bn_model(affine_trains: bool = False) -> nn.Module:
+    """A training model whose first convolution is frozen and whose batch norm is in
+    eval() (frozen statistics): the linear head trains, and the batch norm's weight and
+    bias with ``affine_trains``."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
+    )
+    net.train()
+    net[1].eval()
+    for module in (net[0],) if affine_trains else (net[0], net[1]):
+        for p in module.parameters():
+            p.requires_grad_(False)
+    return net
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "sgd",
+        pytest.param("adamw", marks=pytest.mark.slow(reason="another CPU lowering: AdamW")),
+        pytest.param(
+            "sgd-affine",
+            marks=pytest.mark.slow(
+                reason="another CPU lowering; test_train_mode's test_updated_buffers_start_"
+                "from_their_own_values checks the emission it relies on"
+            ),
+        ),
+    ],
+)
+def test_a_frozen_eval_batch_norm_trains_like_torch(case, qnn_sdk):
+    """The eval batch norm's lowering folds arithmetic on the frozen buffers it reads
+    into constants; the buffers the program writes (the optimizer's step count and
+    state, the head's parameters, with ``-affine`` the batch norm's weight and bias)
+    stay run-time values and start from the model's: the program lowers, and each
+    step's loss, the parameters and the optimizer state follow torch.optim."""
+    optimizer = training.AdamW(0.01) if case == "adamw" else training.SGD(0.05, momentum=0.9)
+    batches = [(x, y % 4) for x, y in _batches(STEPS)]
+    model = _frozen_eval_bn_model(affine_trains=case.endswith("-affine"))
+    program = training.lower_for_training(
+        training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+        batches[0],
+        harness.compile_specs("SM8350"),
+        optimizer=optimizer,
+    )
+    assert harness.delegate_count(program.edge) == 0
+    session = program.session()
+    reference = copy.deepcopy(model)
+    torch_optimizer = optimizer.torch_optimizer(
+        [p for p in reference.parameters() if p.requires_grad]
+    )
+    for x, y in batches:
+        torch_optimizer.zero_grad()
+        expected = nn.functional.cross_entropy(reference(x), y)
+        expected.backward()
+        torch_optimizer.step()
+        assert math.isclose(session.step([x, y]), expected.item(), rel_tol=1e-5, abs_tol=1e-6)
+    ours, theirs = session.state_dict(), reference.state_dict()
+    # The eval batch norm's step counter is read by no op of the program.
+    assert set(theirs) - set(ours) == {"1.num_batches_tracked"}
+    _assert_close(ours, {k: v for k, v in theirs.items() if k in ours}, **TOLERANCE)
+    trained = ["5.weight", "5.bias"] + (["1.weight", "1.bias"] if "affine" in case else [])
+    for name in trained:
+        assert not torch.equal(theirs[name], model.state_dict()[name]), name
+    _assert_optimizer_state_close(
+        session.optimizer_state_dict(), torch_optimizer.state_dict(), **TOLERANCE
+    )
+    session.close()
+
+
+@pytest.mark.slow(reason="a simulator lowering and steps of the frozen eval batch norm model")
+def test_a_frozen_eval_batch_norm_trains_on_the_htp(qnn_sdk):
+    """The same model for SM8650, with SGD and momentum: it lowers, and each step's loss
+    stays within the train-mode bound of torch fp32 + torch.optim.SGD."""
+    optimizer = training.SGD(0.05, momentum=0.9)
+    batches = [(x, y % 4) for x, y in _batches(STEPS)]
+    model = _frozen_eval_bn_model()
+    program = training.lower_for_training(
+        training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+        batches[0],
+        harness.compile_specs("SM8650"),
+        optimizer=optimizer,
+    )
+    assert harness.delegate_count(program.edge) >= 1
+    session = program.session()
+    reference = copy.deepcopy(model)
+    torch_optimizer = optimizer.torch_optimizer(
+        [p for p in reference.parameters() if p.requires_grad]
+    )
+    for x, y in batches:
+        torch_optimizer.zero_grad()
+        expected = nn.functional.cross_entropy(reference(x), y)
+        expected.backward()
+        torch_optimizer.step()
+        loss = session.step([x, y])
+        assert abs(loss - expected.item()) <= 3e-2 * max(1.0, abs(expected.item()))
+    session.close()

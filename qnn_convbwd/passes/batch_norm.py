@@ -26,6 +26,13 @@ visitor the forward used 1e-9, the backward 1e-5). ``fold_frozen_statistics``
 computes that backward arithmetic on the running statistics (``add``, ``rsqrt``,
 reshapes) in fp32 on the host, as the forward's constants are: on the HTP it
 ran in fp16, where variances below 6.1e-5 are subnormal.
+
+Only state the program never writes is a constant here. A buffer the program
+mutates (a train-mode batch norm's running statistics, a parameter the in-program
+optimizer updates, its state, its step count) is read at run time: folding
+arithmetic on it would bake its initial value into the program, and a folded
+mutation (the optimizer's ``step + 1``) leaves a buffer written from a constant,
+which executorch's program verifier rejects.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ import operator
 
 import torch
 
-from .. import integration, nodes
+from .. import integration, nodes, signature
 from .gated import OptionGatedPass
 from .graph_builder import NodeBuilder
 
@@ -43,26 +50,33 @@ logger = logging.getLogger(__name__)
 
 
 def _trained_parameters(edge_program) -> set[str]:
-    """Placeholder names of parameters whose gradient the program outputs."""
+    """Placeholder names of the trainable parameters: those whose gradient the program
+    outputs, and those its own optimizer updates (buffers, ``passes.optimizer``)."""
     if edge_program is None:
         return set()
-    signature = edge_program.graph_signature
-    trained = {
-        spec.target for spec in signature.output_specs if spec.kind.name == "GRADIENT_TO_PARAMETER"
-    }
+    trainable = signature.trainable_parameters(edge_program)
     return {
         spec.arg.name
-        for spec in signature.input_specs
-        if spec.kind.name == "PARAMETER" and spec.target in trained
+        for spec in edge_program.graph_signature.input_specs
+        if spec.kind.name in ("PARAMETER", "BUFFER") and spec.target in trainable
     }
+
+
+def _mutated(node: torch.fx.Node, edge_program) -> bool:
+    """``node`` is the placeholder of a buffer the program writes back."""
+    graph_signature = edge_program.graph_signature
+    target = graph_signature.inputs_to_buffers.get(node.name)
+    return target is not None and target in set(graph_signature.buffers_to_mutate.values())
 
 
 def _static(node: torch.fx.Node | None, edge_program) -> torch.Tensor | None:
-    if node is None:
+    """The value of a parameter, buffer or lifted constant the program never writes;
+    None for anything else (a mutated buffer changes from one step to the next)."""
+    if node is None or edge_program is None:
         return None
-    if edge_program is not None and integration.get("is_parameter")(node, edge_program):
-        return integration.get("get_parameter")(node, edge_program).detach().float()
-    return None
+    if not integration.get("is_parameter")(node, edge_program) or _mutated(node, edge_program):
+        return None
+    return integration.get("get_parameter")(node, edge_program).detach().float()
 
 
 def _rewrite(
@@ -127,7 +141,8 @@ _FOLDABLE = (
 
 
 def fold_frozen_statistics(graph_module: torch.fx.GraphModule, edge_program) -> int:
-    """Replace arithmetic on buffers (running statistics) alone by fp32 constants."""
+    """Replace arithmetic on buffers the program never writes (frozen running
+    statistics) alone by fp32 constants."""
     if edge_program is None:
         return 0
     buffers = {

@@ -723,8 +723,13 @@ def fit(
         )
     sites: list[dropout.Site] = []
     if reference is not None and train_mode and torch_masks == "program":
-        # The program's draws, recomputed from the seed: the joint graph, rewritten.
-        _, sites = dropout.rewrite(training.export_joint(wrapped, first), seed)
+        # The program's draws, recomputed from the seed: the joint graph, rewritten (a
+        # quantized model's with the estimator, as lower_for_training exports it).
+        exported = wrapped
+        if quantized.holds_activation_pairs(wrapped):
+            exported = copy.deepcopy(wrapped)
+            quantized.straight_through(exported)
+        _, sites = dropout.rewrite(training.export_joint(exported, first), seed)
     delegates = harness.delegate_count(program.edge)
     if cpu_only and delegates:
         raise RuntimeError(f"the CPU-only program has {delegates} delegate(s)")

@@ -233,6 +233,57 @@ def gradient_agreement(model: nn.Module, program, batch) -> dict[str, tuple[floa
 
 
 @dataclasses.dataclass
+class RoundingDeviation:
+    """Torch against torch: the model's straight-through reference (the converted graph
+    rounds a convolution's result, then its ReLU / ReLU6's) and the same with each pair
+    rounded once (``quantized_backbone.fused_activations``, as the HTP computes it). Two
+    emulations of one quantized model, neither the HTP's: how far the quantity the
+    bound judges moves with the rounding alone."""
+
+    losses: tuple[list[float], list[float]]  # per SGD step: unfused, fused
+    gradients: dict[str, tuple[float, float]]  # per parameter: cosine, norm ratio
+
+    @property
+    def loss_gaps(self) -> list[float]:
+        return [abs(a - b) for a, b in zip(*self.losses, strict=True)]
+
+
+def _gradients(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    model = copy.deepcopy(model)
+    x, y = batch
+    nn.functional.cross_entropy(model(x), y).backward()
+    return {n: p.grad.flatten() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def rounding_deviation(
+    model: nn.Module, steps: int = 3, lr: float = qb.LR["cifar"]
+) -> RoundingDeviation:
+    """``RoundingDeviation`` of ``model`` on the batches ``measure`` takes: ``steps`` SGD
+    steps at ``lr`` of each reference, and one step's gradients."""
+    data = qb.batches(steps + 2)
+    unfused, fused = reference(model), reference(qb.fused_activations(model))
+    losses = []
+    for start in (unfused, fused):
+        trained = copy.deepcopy(start)
+        optimizer = torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=lr)
+        found = []
+        for x, y in data[1:-1]:
+            loss = nn.functional.cross_entropy(trained(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            found.append(loss.item())
+        losses.append(found)
+    a, b = _gradients(unfused, data[-1]), _gradients(fused, data[-1])
+    gradients = {
+        name: (float(a[name] @ b[name] / (a[name].norm() * b[name].norm())),
+               float(a[name].norm() / b[name].norm()))
+        for name in a
+    }  # fmt: skip
+    return RoundingDeviation((losses[0], losses[1]), gradients)
+
+
+@dataclasses.dataclass
 class Measurement:
     model: str
     adapters: tuple[str, ...]

@@ -29,7 +29,26 @@ def main() -> None:
         "--head", action="store_true", help="the torchvision models' float head trains too"
     )
     parser.add_argument("--lr", type=float, help="SGD rate (default: the model's)")
+    parser.add_argument(
+        "--rounding",
+        action="store_true",
+        help="torch only: the reference against the same with each activation rounded once",
+    )
     args = parser.parse_args()
+    if args.rounding:
+        for model in args.models:
+            for dtype in args.dtypes:
+                built, _ = qs.build(model, dtype, tuple(args.adapters), args.head)
+                lr = args.lr if args.lr is not None else qb.LR.get(model, qb.LR["cifar"])
+                found = qs.rounding_deviation(built, args.steps, lr)
+                print(
+                    f"{model} {dtype}: losses {found.losses[0]} (unfused) vs {found.losses[1]} "
+                    f"(fused), gaps {', '.join(f'{g:.1e}' for g in found.loss_gaps)}; gradient "
+                    "cosine / norm ratio "
+                    + ", ".join(f"{n} {c:.3f} / {r:.2f}" for n, (c, r) in found.gradients.items()),
+                    flush=True,
+                )
+        return
     print(qs.MARKDOWN_HEAD, flush=True)
     for model in args.models:
         for dtype in args.dtypes:

@@ -172,3 +172,46 @@ def test_a_resume_whose_backbone_differs_is_refused(finished, tmp_path, capsys):
     captured = capsys.readouterr()
     assert code == 2, captured
     assert "quantized backbone differs" in captured.err
+
+
+@pytest.fixture(scope="module")
+def adapted(folders, tmp_path_factory, qnn_sdk):
+    out = tmp_path_factory.mktemp("adapted") / "run"
+    code, printed = _main([*run_args(*folders, out), "--scheme", "adapter"])
+    assert code == 0, printed
+    return out, printed
+
+
+def test_adapters_train_inside_the_quantized_backbone(adapted, folders):
+    """``--scheme adapter``: the residual adapters stay float inside the quantized backbone
+    and train with the head; every quantized tensor is as quantized, the digest (which
+    leaves out what trains) is the rebuilt backbone's, and the losses follow torch's
+    with the straight-through estimator within the bound."""
+    from qnn_convbwd import finetune_data
+
+    out, printed = adapted
+    report = json.loads((out / "report.json").read_text())
+    assert report["args"]["scheme"] == "adapter"
+    seed = report["args"]["seed"]
+    net = finetune.apply_scheme(finetune.user_model(MODEL, 4, seed), "adapter")
+    data = finetune_data.load(folders[0], SIZE, classes=report["classes"])
+    normalize = finetune_data.Normalize(report["normalize"]["mean"], report["normalize"]["std"])
+    model, _ = finetune.quantize_for_fit(
+        net, (normalize(data.x), data.y), BATCH, "8a8w", CALIBRATION, seed
+    )
+    assert quantized.digest(model) == report["quantization"]["backbone_digest"]
+    adapters = [n for n in finetune.trainable_names(model) if ".adapter." in n]
+    assert len(adapters) == 2 * finetune.ADAPTED_BLOCKS, finetune.trainable_names(model)
+    trained = torch.load(out / "model.pt")
+    before = model.state_dict()
+    for name in adapters:
+        assert not torch.equal(trained[name], before[name]), f"{name} did not train"
+    for name, value in quantized.int8_weights(model).items():
+        assert torch.equal(trained[name], value), name
+    gaps = [abs(a - b) for a, b in zip(report["losses"], report["torch_losses"])]
+    assert max(gaps) <= 3e-2 * max(1.0, *map(abs, report["torch_losses"])), gaps
+    model.load_state_dict(trained)
+    x, y = _val(folders, report)
+    with torch.no_grad():
+        right = int((model.eval()(x).argmax(1) == y).sum())
+    assert right / len(y) == report["val_accuracy"]

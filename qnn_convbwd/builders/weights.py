@@ -102,7 +102,8 @@ def dequantized_weight_hwio(visitor, weight_node: torch.fx.Node, build_node, nod
     """``(ops, hwio)``: a quantized weight's float HWIO tensor for grad_input: QNN's
     Dequantize of its int8 integers (a static HWIO tensor quantized per tensor with scale
     1), times each output channel's scale (a static ``[O]`` float tensor). Built once per
-    weight; no float copy is stored.
+    weight; the graph stores no float tensor of it (QAIRT folds the Dequantize of the
+    static integers into a two-byte constant in the context binary, docs/quantized.md).
 
     The integers are a second static tensor, one byte an element, beside the
     per-channel quantized one the forward Conv2d reads: QNN refuses Dequantize and Cast

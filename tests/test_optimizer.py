@@ -382,6 +382,33 @@ def test_adamw_on_the_htp_follows_torch(qnn_sdk):
 # --- a frozen eval-mode batch norm inside a training model ------------------------------
 
 
+def _frozen_eval_bn_steps(optimizer, soc: str, affine_trains: bool = False):
+    """``_frozen_eval_bn_model`` lowered for ``soc`` with ``optimizer`` in the program and
+    stepped ``STEPS`` times beside torch: (model, program, open session, torch's model,
+    torch's optimizer, [(program loss, torch loss)] per step)."""
+    batches = [(x, y % 4) for x, y in _batches(STEPS)]
+    model = _frozen_eval_bn_model(affine_trains=affine_trains)
+    program = training.lower_for_training(
+        training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
+        batches[0],
+        harness.compile_specs(soc),
+        optimizer=optimizer,
+    )
+    session = program.session()
+    reference = copy.deepcopy(model)
+    torch_optimizer = optimizer.torch_optimizer(
+        [p for p in reference.parameters() if p.requires_grad]
+    )
+    losses = []
+    for x, y in batches:
+        torch_optimizer.zero_grad()
+        expected = nn.functional.cross_entropy(reference(x), y)
+        expected.backward()
+        torch_optimizer.step()
+        losses.append((session.step([x, y]), expected.item()))
+    return model, program, session, reference, torch_optimizer, losses
+
+
 def _frozen_eval_bn_model(affine_trains: bool = False) -> nn.Module:
     """A training model whose first convolution is frozen and whose batch norm is in
     eval() (frozen statistics): the linear head trains, and the batch norm's weight and
@@ -424,26 +451,12 @@ def test_a_frozen_eval_batch_norm_trains_like_torch(case, qnn_sdk):
     stay run-time values and start from the model's: the program lowers, and each
     step's loss, the parameters and the optimizer state follow torch.optim."""
     optimizer = training.AdamW(0.01) if case == "adamw" else training.SGD(0.05, momentum=0.9)
-    batches = [(x, y % 4) for x, y in _batches(STEPS)]
-    model = _frozen_eval_bn_model(affine_trains=case.endswith("-affine"))
-    program = training.lower_for_training(
-        training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
-        batches[0],
-        harness.compile_specs("SM8350"),
-        optimizer=optimizer,
+    model, program, session, reference, torch_optimizer, losses = _frozen_eval_bn_steps(
+        optimizer, "SM8350", affine_trains=case.endswith("-affine")
     )
     assert harness.delegate_count(program.edge) == 0
-    session = program.session()
-    reference = copy.deepcopy(model)
-    torch_optimizer = optimizer.torch_optimizer(
-        [p for p in reference.parameters() if p.requires_grad]
-    )
-    for x, y in batches:
-        torch_optimizer.zero_grad()
-        expected = nn.functional.cross_entropy(reference(x), y)
-        expected.backward()
-        torch_optimizer.step()
-        assert math.isclose(session.step([x, y]), expected.item(), rel_tol=1e-5, abs_tol=1e-6)
+    for ours, theirs in losses:
+        assert math.isclose(ours, theirs, rel_tol=1e-5, abs_tol=1e-6)
     ours, theirs = session.state_dict(), reference.state_dict()
     # The eval batch norm's step counter is read by no op of the program.
     assert set(theirs) - set(ours) == {"1.num_batches_tracked"}
@@ -462,25 +475,8 @@ def test_a_frozen_eval_batch_norm_trains_on_the_htp(qnn_sdk):
     """The same model for SM8650, with SGD and momentum: it lowers, and each step's loss
     stays within the train-mode bound of torch fp32 + torch.optim.SGD."""
     optimizer = training.SGD(0.05, momentum=0.9)
-    batches = [(x, y % 4) for x, y in _batches(STEPS)]
-    model = _frozen_eval_bn_model()
-    program = training.lower_for_training(
-        training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
-        batches[0],
-        harness.compile_specs("SM8650"),
-        optimizer=optimizer,
-    )
+    _, program, session, _, _, losses = _frozen_eval_bn_steps(optimizer, "SM8650")
     assert harness.delegate_count(program.edge) >= 1
-    session = program.session()
-    reference = copy.deepcopy(model)
-    torch_optimizer = optimizer.torch_optimizer(
-        [p for p in reference.parameters() if p.requires_grad]
-    )
-    for x, y in batches:
-        torch_optimizer.zero_grad()
-        expected = nn.functional.cross_entropy(reference(x), y)
-        expected.backward()
-        torch_optimizer.step()
-        loss = session.step([x, y])
-        assert abs(loss - expected.item()) <= 3e-2 * max(1.0, abs(expected.item()))
+    for ours, theirs in losses:
+        assert abs(ours - theirs) <= 3e-2 * max(1.0, abs(theirs))
     session.close()

@@ -202,7 +202,8 @@ def float_nodes(
     one that reads its output inside the module holding it (a residual
     ``y + adapter(y)`` of the adapter's parent), so that what a float module adds to the
     backbone is joined in float and quantized once, where the next quantized op reads
-    it. Raises ``QuantizationError`` for a module that computes no node."""
+    it. Raises ``QuantizationError`` for a module that computes no node, and for one
+    whose output a batch norm reads (it would not fold into its convolution)."""
     modules = list(float_modules)
     inside = {
         n
@@ -227,6 +228,20 @@ def float_nodes(
             if user not in found and _innermost_module(user) in parents:
                 found.add(user)
                 frontier.append(user)
+    norms = {
+        torch.ops.aten.batch_norm.default,
+        torch.ops.aten._native_batch_norm_legit_no_training.default,
+    }
+    for node in found:
+        for user in node.users:
+            if user not in found and user.target in norms:
+                raise QuantizationError(
+                    f"batch norm {user.name} ({_innermost_module(user)}) reads "
+                    f"{node.name}, computed in float by {', '.join(modules)}: a float "
+                    "module between a convolution and its batch norm keeps the batch norm "
+                    "from folding into the convolution, and QNN takes no unfolded quantized "
+                    "batch norm; put the module after the batch norm"
+                )
     return [n for n in exported.graph.nodes if n in found]
 
 

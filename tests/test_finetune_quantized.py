@@ -174,10 +174,29 @@ def test_a_resume_whose_backbone_differs_is_refused(finished, tmp_path, capsys):
     assert "quantized backbone differs" in captured.err
 
 
+BLOCKED = "test_finetune_quantized:blocked_model"
+
+
+def blocked_model(num_classes: int = 10) -> torch.nn.Module:
+    """Three convolution / batch norm / ReLU blocks, average pool and a linear head: the
+    adapters go after whole blocks, so every batch norm folds into its convolution."""
+    from torch import nn
+
+    def block(cin: int, cout: int) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
+
+    return nn.Sequential(
+        block(3, 8), block(8, 8), block(8, 16), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(16, num_classes),
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def adapted(folders, tmp_path_factory, qnn_sdk):
     out = tmp_path_factory.mktemp("adapted") / "run"
-    code, printed = _main([*run_args(*folders, out), "--scheme", "adapter"])
+    args = [*run_args(*folders, out), "--scheme", "adapter"]
+    args[args.index(MODEL)] = BLOCKED
+    code, printed = _main(args)
     assert code == 0, printed
     return out, printed
 
@@ -193,7 +212,7 @@ def test_adapters_train_inside_the_quantized_backbone(adapted, folders):
     report = json.loads((out / "report.json").read_text())
     assert report["args"]["scheme"] == "adapter"
     seed = report["args"]["seed"]
-    net = finetune.apply_scheme(finetune.user_model(MODEL, 4, seed), "adapter")
+    net = finetune.apply_scheme(finetune.user_model(BLOCKED, 4, seed), "adapter")
     data = finetune_data.load(folders[0], SIZE, classes=report["classes"])
     normalize = finetune_data.Normalize(report["normalize"]["mean"], report["normalize"]["std"])
     model, _ = finetune.quantize_for_fit(

@@ -224,6 +224,17 @@ def test_float_nodes_are_the_adapter_and_its_residual_join():
         quantized.float_nodes(module, ["first.missing"])
 
 
+def test_a_float_module_before_a_batch_norm_is_refused():
+    """An adapter between a convolution and its batch norm would leave the batch norm
+    unfolded between quantized tensors: refused, naming the batch norm."""
+    from qnn_convbwd import finetune
+
+    net = nn.Sequential(finetune.ResidualAdapter(nn.Conv2d(3, 4, 3), 4), nn.BatchNorm2d(4))
+    module = torch.export.export(net.eval(), (torch.zeros(1, 3, 8, 8),), strict=True).module()
+    with pytest.raises(quantized.QuantizationError, match=r"batch norm .*\(1\) reads"):
+        quantized.float_nodes(module, ["0.adapter"])
+
+
 @pytest.mark.htp  # executorch's QnnQuantizer reads the QAIRT version from the SDK's libraries
 def test_a_float_adapter_inside_the_backbone_trains_and_the_rest_is_quantized():
     """``quantize_backbone(float_modules=...)``: the adapter's weights stay float and

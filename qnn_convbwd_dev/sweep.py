@@ -3,7 +3,8 @@
 For each architecture and fine-tuning scheme (``finetune.apply_scheme``: ``full``,
 ``last-layers``, ``bias-only``) the model is put in ``train()`` (batch statistics,
 running statistics updated; dropout modules in ``eval()``, since torch and the
-program draw different masks), wrapped with cross-entropy and exported as its joint
+program draw different masks, and with ``steps`` torchvision's stochastic depth as
+well), wrapped with cross-entropy and exported as its joint
 training graph (``training.export_joint``). Then, per model:
 
 * by default ``qnn_convbwd.decide`` (the rules alone, nothing compiled): cheap;
@@ -123,23 +124,31 @@ def smallest_size(arch: str, at_least: int = 32) -> int:
 
 
 def train_mode_batch(
-    arch: str, scheme: str, batch: int, size: int, seed: int = 0
+    arch: str, scheme: str, batch: int, size: int, seed: int = 0, stochastic_depth: bool = True
 ) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
     """``arch`` in ``train()`` with ``scheme`` applied (``full``: every parameter trains,
     as a fresh model's do) and dropout modules in ``eval()``, and one seeded batch of
-    random images and labels (10 classes)."""
+    random images and labels (10 classes). ``stochastic_depth=False``: torchvision's
+    ``StochasticDepth`` in ``eval()`` too, for steps compared with torch's (torch and the
+    program draw their own masks)."""
     from qnn_convbwd import finetune
 
     net = architecture(arch, 10, seed).train()
     if scheme != "full":  # finetune's schemes need a linear head, which SqueezeNet lacks
         net = finetune.apply_scheme(net, scheme, size=size)
     for module in net.modules():
-        if isinstance(module, nn.modules.dropout._DropoutNd):
+        if isinstance(module, nn.modules.dropout._DropoutNd) or (
+            not stochastic_depth and _stochastic_depth(module)
+        ):
             module.eval()
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, 3, size, size, generator=generator)
     y = torch.randint(0, 10, (batch,), generator=generator)
     return net, x, y
+
+
+def _stochastic_depth(module: nn.Module) -> bool:
+    return type(module).__name__ == "StochasticDepth"
 
 
 @dataclasses.dataclass
@@ -268,7 +277,8 @@ def sweep_one(
     if steps and not lower:
         raise ValueError("steps need lower=True")
     size = smallest_size(arch) if size is None else size
-    net, x, y = train_mode_batch(arch, scheme, batch, size, seed)
+    # Steps compared with torch's need the same computation: no stochastic-depth draws.
+    net, x, y = train_mode_batch(arch, scheme, batch, size, seed, stochastic_depth=not steps)
     module = training.WithLoss(copy.deepcopy(net), nn.functional.cross_entropy)
     specs = harness.compile_specs(soc)
     start = time.perf_counter()

@@ -91,6 +91,25 @@ def test_the_full_scheme_trains_every_parameter_even_without_a_linear_head():
     assert not any(isinstance(m, torch.nn.Linear) for m in net.modules())
 
 
+def test_stepped_models_draw_no_stochastic_depth_masks():
+    """Steps compared with torch's take the model without stochastic depth's draws (torch
+    and the program would drop different blocks); decide() keeps them, in train()."""
+    try:
+        stepped, x, _ = sweep.train_mode_batch(
+            "efficientnet_b0", "full", 2, 32, stochastic_depth=False
+        )
+        decided, _, _ = sweep.train_mode_batch("efficientnet_b0", "full", 2, 32)
+    except TorchvisionUnavailable as err:
+        pytest.skip(str(err))
+    kinds = [type(m).__name__ for m in stepped.modules()]
+    assert kinds.count("StochasticDepth") == 16
+    depth = [m for m in stepped.modules() if type(m).__name__ == "StochasticDepth"]
+    assert not any(m.training for m in depth) and stepped.training
+    assert all(m.training for m in decided.modules() if type(m).__name__ == "StochasticDepth")
+    with torch.no_grad():  # no draw left: two passes agree (batch statistics, same batch)
+        assert torch.equal(stepped(x), stepped(x))
+
+
 @pytest.mark.slow(reason="a decide() of resnet18's joint graph takes about a minute")
 def test_resnet18_decide_leaves_only_the_program_state_on_cpu():
     row = sweep.sweep_one("resnet18", "full", size=32, batch=2)

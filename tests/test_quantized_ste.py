@@ -389,19 +389,32 @@ def test_below_v69_the_adapters_train_on_cpu(qnn_sdk):
 
 
 @pytest.mark.htp
-@pytest.mark.slow(reason="a lowering and a simulator step for a known defect's record")
-@pytest.mark.xfail(
-    strict=True,
-    reason="the gradient through a quantized max pool with padding comes out wrong on the "
-    "HTP (zero for kernel 2, stride 2, padding 1); without padding it is torch's",
+@pytest.mark.slow(reason="two lowerings and simulator steps of one-layer quantized models")
+@pytest.mark.parametrize(
+    "kernel",
+    [
+        3,
+        pytest.param(
+            2,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="a kernel-2 padded quantized pool's gradient is still off (measured: "
+                "cosine 0.975, norm ratio 0.79 for the adapter's weight)",
+            ),
+        ),
+    ],
 )
-def test_an_input_adapters_gradient_crosses_a_padded_quantized_max_pool():
+def test_an_input_adapters_gradient_crosses_a_padded_quantized_max_pool(kernel):
+    """executorch's RecomposePadMaxPool2d pads the pool's quantized input explicitly, so
+    its indices count in the padded plane; the backward reads that input through a
+    dequantizing copy, and must still find the plane (``geometry.pool.index_plane``):
+    the input adapter's gradient is torch's."""
     from qnn_convbwd_dev import quantized_backbone as qb
     from qnn_convbwd_dev import quantized_ste as qs
 
     torch.manual_seed(0)
     net = nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2, 2, 1),
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(kernel, 2, 1),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10),
     ).eval()  # fmt: skip
     gen = torch.Generator().manual_seed(0)

@@ -227,13 +227,24 @@ def _is_call(node, target) -> bool:
     return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target == target
 
 
+def _same_tensor(a, b, edge_ops) -> bool:
+    """``a`` is ``b``, or a ``_to_copy`` of the other: in a quantized graph the backward
+    reads the pool's input through a dequantizing copy (``passes/quant_boundary.py``)
+    where the pad reads the quantized tensor itself."""
+    copy = edge_ops._to_copy.default
+    return (
+        a is b or (_is_call(a, copy) and a.args[0] is b) or (_is_call(b, copy) and b.args[0] is a)
+    )
+
+
 def index_plane(node: torch.fx.Node, pool: MaxPoolBackward, edge_ops) -> IndexPlane:
     """The plane the node's indices count in (see the module docstring).
 
     ``edge_ops`` is ``exir_ops.edge.aten``. The padded plane is recognised by
     the graph executorch's RecomposePadMaxPool2d leaves: indices taken from a
     pool with zero padding whose input is a ``constant_pad_nd`` of this node's
-    input; the pad amounts (last dim first, as torch lists them) give the offset.
+    input (or of the tensor a copy of it reads, ``_same_tensor``); the pad amounts (last
+    dim first, as torch lists them) give the offset.
     """
     plane = IndexPlane(pool.in_sizes, (0,) * SPATIAL_DIMS)
     indices = node.args[INDICES]
@@ -249,7 +260,9 @@ def index_plane(node: torch.fx.Node, pool: MaxPoolBackward, edge_ops) -> IndexPl
     if not _is_call(pad, edge_ops.constant_pad_nd.default) or any(forward_padding):
         return plane
     amounts = list(pad.args[1])
-    if len(amounts) != 2 * SPATIAL_DIMS or pad.args[0] is not node.args[INPUT]:
+    if len(amounts) != 2 * SPATIAL_DIMS or not _same_tensor(
+        pad.args[0], node.args[INPUT], edge_ops
+    ):
         return plane
     before = tuple(amounts[2 * (SPATIAL_DIMS - 1 - d)] for d in range(SPATIAL_DIMS))
     sizes = tuple(int(s) for s in pad.meta["val"].shape[2:])

@@ -29,6 +29,8 @@ from qnn_convbwd import quantized
 from . import quantized_backbone as qb
 
 ADAPTERS = ("input", "between")
+# ``build``'s torchvision choice of adapters inside the backbone (``adapted_inside``).
+INSIDE = "inside"
 FIRST_BLOCK = 3  # modules of ``features`` in the first block: conv, relu, max pool
 
 
@@ -158,6 +160,29 @@ def adapted_torchvision(
     for parameter_name, parameter in model.named_parameters():
         parameter.requires_grad_(parameter_name.startswith(trains))
     return model
+
+
+def adapted_inside(name: str, dtype: str = "8a8w", seed: int = 0, spread: float = 0.05):
+    """``quantized_backbone.float_model(name)`` with ``finetune.apply_scheme(...,
+    "adapter")``'s residual adapters, its backbone quantized with the adapters left float
+    (``finetune.quantize_for_fit``'s split, calibrated on seeded batches); the adapters'
+    weights drawn from N(0, ``spread``) so that they change the forward. The adapters and
+    the head child train."""
+    from qnn_convbwd import finetune
+
+    net = finetune.apply_scheme(qb.float_model(name, seed), "adapter")
+    adapters = [
+        f"{n}.adapter" for n, m in net.named_modules() if isinstance(m, finetune.ResidualAdapter)
+    ]
+    model = quantized.quantize_backbone(
+        net, finetune.head(net), dtype, qb.calibration_batches(seed), float_modules=adapters
+    )
+    gen = torch.Generator().manual_seed(seed + 7)
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            if ".adapter." in parameter_name:
+                parameter.copy_(torch.randn(parameter.shape, generator=gen) * spread)
+    return model.eval()
 
 
 def qat_cifar(dtype: str = "8a8w", qat_steps: int = 3, seed: int = 0) -> InputAdapted:
@@ -304,12 +329,15 @@ class Measurement:
 
 def build(model_name: str, dtype: str, adapters: tuple[str, ...], head: bool = False):
     """``(model, adapters)``: ``"cifar"`` (``adapted_cifar`` with ``adapters``),
-    ``"cifar_qat"`` (``qat_cifar``) or a torchvision model (``adapted_torchvision``, split:
-    an input adapter, and the head when ``head``)."""
+    ``"cifar_qat"`` (``qat_cifar``) or a torchvision model: with ``INSIDE`` in ``adapters``
+    ``adapted_inside``, else ``adapted_torchvision`` (split: an input adapter, and the head
+    when ``head``)."""
     if model_name == "cifar":
         return adapted_cifar(dtype, adapters), adapters
     if model_name == "cifar_qat":
         return qat_cifar(dtype), ("input",)
+    if INSIDE in adapters:
+        return adapted_inside(model_name, dtype), (INSIDE, "head")
     model = adapted_torchvision(model_name, dtype, head=head)
     return model, ("input", "head") if head else ("input",)
 

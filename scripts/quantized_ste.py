@@ -21,7 +21,15 @@ from qnn_convbwd_dev import quantized_ste as qs
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["cifar"])
-    parser.add_argument("--adapters", nargs="+", default=list(qs.ADAPTERS), choices=qs.ADAPTERS)
+    parser.add_argument(
+        "--adapters",
+        nargs="+",
+        default=list(qs.ADAPTERS),
+        choices=[*qs.ADAPTERS, qs.INSIDE],
+        help="cifar: input and/or between; resnet18, mobilenet_v2: inside (the finetune "
+        "adapter scheme's residual adapters, float in the quantized backbone), else an "
+        "input adapter",
+    )
     parser.add_argument("--dtypes", nargs="+", default=["8a8w"], choices=sorted(qb.DTYPES))
     parser.add_argument("--socs", nargs="+", default=["SM8650"])
     parser.add_argument("--steps", type=int, default=3)

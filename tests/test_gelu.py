@@ -53,24 +53,97 @@ def test_rewrite_leaves_no_erf_and_computes_the_same_on_cpu():
     calls = [n.target.__name__ for n in module.graph.nodes if n.op == "call_function"]
     assert not any("erf" in call for call in calls)
     assert "aten.where.self" in calls
+    # t = 1 / (1 + p|x|) as a division: the HTP takes no float reciprocal.
+    assert "aten.div.Tensor" in calls and "aten.reciprocal.default" not in calls
     (out,) = module(x)
     assert (out - torch.erf(x)).abs().max() <= 2e-6
     assert torch.equal(out, erf.erf_reference(x))
 
 
+def _qnn_support(program: torch.export.ExportedProgram, specs: list):
+    """executorch's QNN to_edge passes (the plugin's among them when it is enabled) on
+    ``program``, then the edge program and its (patched) per-node support check, which
+    asks QNN's op validation; call it inside ``QnnManagerContext``."""
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnOperatorSupport
+    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
+    from executorch.exir import to_edge_transform_and_lower
+
+    passes = QnnPassManager()
+    aten = passes.transform_for_export_pipeline(program)
+    edge = to_edge_transform_and_lower(
+        aten,
+        transform_passes=passes.get_to_edge_transform_passes(aten, compiler_specs=specs),
+        compile_config=qnn_edge_config(),
+    ).exported_program()
+    return edge, QnnOperatorSupport(edge, specs, set(), set())
+
+
+# ConvNeXt-Tiny's first GELU at 32 px, batch 2: a Linear's output in NHWC.
+CONVNEXT_GELU = (2, 8, 8, 384)
+
+
+def test_every_op_of_the_rewrite_passes_qnn_validation_in_fp16(qnn_sdk, plugin):
+    """Each node of the rewritten erf, on the tensor ConvNeXt's GELU backward reads, is
+    taken by QNN's op validation for SM8650 (nothing compiled)."""
+    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+
+    from qnn_convbwd.toolchain import harness
+
+    specs = harness.compile_specs("SM8650")
+    x = torch.randn(CONVNEXT_GELU)
+    program = torch.export.export(_Erf(), (x,))
+    with QnnManagerContext({"forward": specs}):
+        edge, checker = _qnn_support(program, specs)
+        calls = [n for n in edge.graph.nodes if n.op == "call_function"]
+        rejected = [n.name for n in calls if not checker.is_node_supported(None, n)]
+    assert rejected == []
+    targets = {n.target.__name__ for n in calls}
+    assert "aten.where.self" in targets and not any("erf" in t for t in targets)
+
+
+class _Reciprocal(nn.Module):
+    def forward(self, x):
+        return torch.reciprocal(x)
+
+
+def test_qnn_validation_rejects_a_float_reciprocal(qnn_sdk, plugin):
+    """Why the rewrite divides: QNN's ElementWiseUnary (executorch's reciprocal visitor)
+    takes no float operand on the HTP ("operation 'Reciprocal' does not support FLOAT16
+    or FLOAT32 datatype", QAIRT 2.51). Should QAIRT take it, this fails, and the
+    division could go back to a reciprocal."""
+    from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
+
+    from qnn_convbwd.toolchain import harness
+
+    specs = harness.compile_specs("SM8650")
+    edge = to_edge(torch.export.export(_Reciprocal(), (torch.rand(CONVNEXT_GELU) + 1,)))
+    program = edge.exported_program()
+    (node,) = [n for n in program.graph.nodes if "reciprocal" in str(n.target)]
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnOperatorSupport
+
+    with QnnManagerContext({"forward": specs}):
+        checker = QnnOperatorSupport(program, specs, set(), set())
+        assert checker.is_node_supported(None, node) is False
+
+
 class _Gelus(nn.Module):
-    """Both GELUs between convolutions, trained."""
+    """Both GELUs between convolutions, and ConvNeXt's block MLP (Linear, GELU, Linear on
+    channels-last maps between permutes), trained."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 8, 3)
         self.conv2 = nn.Conv2d(8, 8, 3)
+        self.expand = nn.Linear(8, 32)
+        self.project = nn.Linear(32, 8)
         self.head = nn.Linear(8 * 4 * 4, 5)
 
     def forward(self, x):
         x = nn.functional.gelu(self.conv1(x))
         x = nn.functional.gelu(self.conv2(x), approximate="tanh")
-        return self.head(x.flatten(1))
+        mlp = self.project(nn.functional.gelu(self.expand(x.permute(0, 2, 3, 1))))
+        return self.head((x + mlp.permute(0, 3, 1, 2)).flatten(1))
 
 
 def _torch_step(net, x, y, dtype):
@@ -88,7 +161,7 @@ def _copy(net):
 
 def test_gelu_forward_and_backward_on_htp_next_to_torch(qnn_sdk):
     """Loss and every gradient within twice torch fp16's own error (relative L2) plus
-    1e-3; no op of either GELU on CPU."""
+    1e-3; one delegate, no op of any GELU on CPU."""
     from qnn_convbwd.toolchain import harness
     from qnn_convbwd_dev import fidelity
 
@@ -99,14 +172,19 @@ def test_gelu_forward_and_backward_on_htp_next_to_torch(qnn_sdk):
         training.WithLoss(_copy(net), nn.functional.cross_entropy), (x, y)
     )
     compiled = harness.lower_program(joint, "SM8650")
-    on_cpu = [
+    # One delegate; on CPU only the permutes of the trained convolution weights into the
+    # filter layout (weight_layout="hwio"), no op of a GELU's.
+    assert harness.delegate_count(compiled.edge) == 1
+    assert {op.rule for op in compiled.report.on_cpu} == {"weight_layout_on_cpu"}
+    on_cpu = {
         str(n.target)
         for n in compiled.edge.exported_program().graph.nodes
         if n.op == "call_function"
         and "executorch_call_delegate" not in str(n.target)
         and "getitem" not in str(n.target)
-    ]
-    assert not [op for op in on_cpu if any(w in op for w in ("erf", "gelu", "tanh", "exp"))]
+        and "alloc" not in str(n.target)
+    }
+    assert on_cpu <= {"aten.permute_copy.out"}, on_cpu
     names = fidelity.output_names(joint)
     outputs = dict(zip(names, compiled.run([x, y])))
     loss32, grads32 = _torch_step(net, x, y, torch.float32)

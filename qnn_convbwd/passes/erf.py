@@ -12,11 +12,16 @@ every floating-point ``erf`` as::
 
 (the Maclaurin series, truncated after x^15: at most 1.3e-5 off at |x| = 1; and
 Abramowitz and Stegun's 7.1.26 rational approximation, at most 1.5e-7 off), joined
-by a ``where`` on ``|x| < 1``. In fp32 (on CPU) it is within 1.6e-6 of ``erf``; in
-fp16 each op's rounding makes it at most about 2 fp16 units in the last place off,
-its mean error at most 1.6x that of torch's own fp16 ``erf`` and unbiased
-(``tests/test_gelu.py`` measures it with torch's fp16 ops, and checks GELU's forward
-and backward on the simulator).
+by a ``where`` on ``|x| < 1``. ``t`` is a division, not ``aten.reciprocal``: QNN's
+ElementWiseUnary, executorch's visitor for a reciprocal, takes no float operand on
+the HTP (QAIRT's op validation: "operation 'Reciprocal' does not support FLOAT16 or
+FLOAT32 datatype"), so a reciprocal would stay on CPU, a delegate boundary in every
+GELU's backward; ElementWiseDivide takes fp16. In fp32 (on CPU) it is within 1.6e-6
+of ``erf``; in fp16 each op's rounding makes it at most about 2 fp16 units in the
+last place off, its mean error at most 1.6x that of torch's own fp16 ``erf`` and
+unbiased (``tests/test_gelu.py`` measures it with torch's fp16 ops, checks that QNN's
+op validation takes every op of the rewrite, and checks GELU's forward and backward
+on the simulator).
 The tanh form of GELU needs no rewrite: its backward is tanh and products.
 """
 
@@ -52,7 +57,7 @@ def erf_reference(x: torch.Tensor) -> torch.Tensor:
     for coefficient in reversed(SERIES[:-1]):
         series = series * square + k(coefficient)
     near = x * series * k(2 / math.sqrt(math.pi))
-    t = torch.reciprocal(a * k(P) + k(1.0))
+    t = torch.div(k(1.0), a * k(P) + k(1.0))
     poly = k(RATIONAL[-1])
     for coefficient in reversed(RATIONAL[:-1]):
         poly = poly * t + k(coefficient)
@@ -83,7 +88,8 @@ def _rewrite(graph_module: torch.fx.GraphModule, node: torch.fx.Node) -> None:
         ops.mul.Tensor, b.call(ops.mul.Tensor, x, series), k("scale", 2 / math.sqrt(math.pi))
     )
     t = b.call(
-        ops.reciprocal.default,
+        ops.div.Tensor,
+        k("one", 1.0),
         b.call(ops.add.Tensor, b.call(ops.mul.Tensor, a, k("p", P)), k("one", 1.0)),
     )
     poly = k("a5", RATIONAL[-1])

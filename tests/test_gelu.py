@@ -8,6 +8,7 @@ form, next to torch fp32 and fp16.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -79,7 +80,7 @@ def _qnn_support(program: torch.export.ExportedProgram, specs: list):
     return edge, QnnOperatorSupport(edge, specs, set(), set())
 
 
-# ConvNeXt-Tiny's first GELU at 32 px, batch 2: a Linear's output in NHWC.
+# The tensor of ConvNeXt-Tiny's first GELU at 32 px (batch 2): a Linear's output, NHWC.
 CONVNEXT_GELU = (2, 8, 8, 384)
 
 
@@ -107,11 +108,12 @@ class _Reciprocal(nn.Module):
         return torch.reciprocal(x)
 
 
-def test_qnn_validation_rejects_a_float_reciprocal(qnn_sdk, plugin):
+def test_qnn_validation_rejects_a_float_reciprocal(qnn_sdk, plugin, caplog):
     """Why the rewrite divides: QNN's ElementWiseUnary (executorch's reciprocal visitor)
     takes no float operand on the HTP ("operation 'Reciprocal' does not support FLOAT16
     or FLOAT32 datatype", QAIRT 2.51). Should QAIRT take it, this fails, and the
     division could go back to a reciprocal."""
+    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnOperatorSupport
     from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
 
     from qnn_convbwd.toolchain import harness
@@ -120,11 +122,12 @@ def test_qnn_validation_rejects_a_float_reciprocal(qnn_sdk, plugin):
     edge = to_edge(torch.export.export(_Reciprocal(), (torch.rand(CONVNEXT_GELU) + 1,)))
     program = edge.exported_program()
     (node,) = [n for n in program.graph.nodes if "reciprocal" in str(n.target)]
-    from executorch.backends.qualcomm.partition.qnn_partitioner import QnnOperatorSupport
-
+    caplog.set_level(logging.INFO, logger="qnn_convbwd")
     with QnnManagerContext({"forward": specs}):
         checker = QnnOperatorSupport(program, specs, set(), set())
         assert checker.is_node_supported(None, node) is False
+    verdicts = [r for r in caplog.records if node.name in r.getMessage()]
+    assert [getattr(r, "convbwd_rule", None) for r in verdicts] == ["backend_validation"]
 
 
 class _Gelus(nn.Module):

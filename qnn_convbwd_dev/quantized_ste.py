@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -226,6 +227,25 @@ def reference(model: nn.Module) -> nn.Module:
     return result
 
 
+def _reference(model: nn.Module, fused: bool) -> nn.Module:
+    """``reference`` of ``model``, or of ``fused_activations(model)`` with ``fused``."""
+    return reference(qb.fused_activations(model) if fused else model)
+
+
+def torch_losses(start: nn.Module, data: list, lr: float) -> list[float]:
+    """Torch's loss per SGD step at ``lr`` on ``data``, training a copy of ``start``."""
+    trained = copy.deepcopy(start)
+    optimizer = torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=lr)
+    found = []
+    for x, y in data:
+        loss = nn.functional.cross_entropy(trained(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        found.append(loss.item())
+    return found
+
+
 def train_both(
     model: nn.Module, program, data: list, lr: float
 ) -> list[tuple[float, float, float]]:
@@ -234,13 +254,21 @@ def train_both(
     return qb.train_both(reference(model), program, data, lr)
 
 
-def gradient_agreement(model: nn.Module, program, batch) -> dict[str, tuple[float, float]]:
+def gradient_agreement(
+    model: nn.Module, program, batch, fused: bool = False
+) -> dict[str, tuple[float, float]]:
     """Per trainable parameter, (cosine, norm ratio) of the program's gradient against
-    torch's (the reference), from one SGD step at lr 1 on ``batch``."""
-    torch_model = reference(model)
+    torch's (the reference; with ``fused`` the reference of ``fused_activations``), from
+    one SGD step at lr 1 on ``batch``."""
+    return gradient_agreements(model, program, batch, (fused,))[0]
+
+
+def gradient_agreements(
+    model: nn.Module, program, batch, fused: Sequence[bool] = (False, True)
+) -> list[dict[str, tuple[float, float]]]:
+    """``gradient_agreement`` against each reference of ``fused``, from one program step."""
+    expected = [_gradients(_reference(model, f), batch) for f in fused]
     x, y = batch
-    nn.functional.cross_entropy(torch_model(x), y).backward()
-    expected = {n: p.grad for n, p in torch_model.named_parameters() if p.requires_grad}
     session = program.session(1.0)
     try:
         before = session.state_dict()
@@ -248,13 +276,15 @@ def gradient_agreement(model: nn.Module, program, batch) -> dict[str, tuple[floa
         after = session.state_dict()
     finally:
         session.close()
-    result = {}
-    for name, grad in expected.items():
-        ours = (before[name] - after[name]).flatten()
-        theirs = grad.flatten()
-        cosine = float(ours @ theirs / (ours.norm() * theirs.norm()))
-        result[name] = (cosine, float(ours.norm() / theirs.norm()))
-    return result
+    results = []
+    for grads in expected:
+        result = {}
+        for name, theirs in grads.items():
+            ours = (before[name] - after[name]).flatten()
+            cosine = float(ours @ theirs / (ours.norm() * theirs.norm()))
+            result[name] = (cosine, float(ours.norm() / theirs.norm()))
+        results.append(result)
+    return results
 
 
 @dataclasses.dataclass
@@ -286,19 +316,8 @@ def rounding_deviation(
     """``RoundingDeviation`` of ``model`` on the batches ``measure`` takes: ``steps`` SGD
     steps at ``lr`` of each reference, and one step's gradients."""
     data = qb.batches(steps + 2)
-    unfused, fused = reference(model), reference(qb.fused_activations(model))
-    losses = []
-    for start in (unfused, fused):
-        trained = copy.deepcopy(start)
-        optimizer = torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=lr)
-        found = []
-        for x, y in data[1:-1]:
-            loss = nn.functional.cross_entropy(trained(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            found.append(loss.item())
-        losses.append(found)
+    unfused, fused = _reference(model, False), _reference(model, True)
+    losses = [torch_losses(start, data[1:-1], lr) for start in (unfused, fused)]
     a, b = _gradients(unfused, data[-1]), _gradients(fused, data[-1])
     gradients = {
         name: (float(a[name] @ b[name] / (a[name].norm() * b[name].norm())),
@@ -325,6 +344,10 @@ class Measurement:
     static_bytes: int  # the QNN graph's static tensors
     context_bytes: int
     gradients: dict[str, tuple[float, float]]
+    # against the reference that rounds each convolution / activation pair once
+    # (``quantized_backbone.fused_activations``), as the HTP computes them
+    fused_loss_gaps: list[float]
+    fused_gradients: dict[str, tuple[float, float]]
 
 
 def build(model_name: str, dtype: str, adapters: tuple[str, ...], head: bool = False):
@@ -363,6 +386,8 @@ def measure(
     program = lowered.program
     rate = lr if lr is not None else qb.LR.get(model_name, qb.LR["cifar"])
     done = train_both(model, program, data[1:-1], rate)
+    fused_losses = torch_losses(_reference(model, True), data[1:-1], rate)
+    gradients, fused_gradients = gradient_agreements(model, program, data[-1])
     rows = program.report.rows
     return Measurement(
         model=model_name,
@@ -379,7 +404,9 @@ def measure(
         int8_bytes=sum(w.numel() for w in qb.int8_weights(model).values()),
         static_bytes=lowered.static_bytes,
         context_bytes=lowered.context_bytes,
-        gradients=gradient_agreement(model, program, data[-1]),
+        gradients=gradients,
+        fused_loss_gaps=[abs(a - b) for (a, _, _), b in zip(done, fused_losses, strict=True)],
+        fused_gradients=fused_gradients,
     )
 
 
@@ -388,11 +415,14 @@ def markdown_row(m: Measurement) -> str:
     losses = ", ".join(f"{v:.3f}" for v in m.losses)
     steps = ", ".join(f"{s:.2f}" for s in m.step_seconds)
     grads = ", ".join(f"{n} {c:.3f} / {r:.2f}" for n, (c, r) in m.gradients.items())
+    fused_gaps = ", ".join(f"{g:.1e}" for g in m.fused_loss_gaps)
+    fused_grads = ", ".join(f"{n} {c:.3f} / {r:.2f}" for n, (c, r) in m.fused_gradients.items())
     delegated, rows = m.backward_convolutions
     return (
         f"| {m.model} | {', '.join(m.adapters)} | {m.dtype} | {m.soc} | {m.delegates} | "
         f"{m.on_cpu} | {delegated} / {rows} | {m.lower_seconds:.1f} | {steps} | {losses} | "
-        f"{gaps} | {m.int8_bytes:,} | {m.static_bytes:,} | {m.context_bytes:,} | {grads} |"
+        f"{gaps} | {m.int8_bytes:,} | {m.static_bytes:,} | {m.context_bytes:,} | {grads} | "
+        f"{fused_gaps} | {fused_grads} |"
     )
 
 
@@ -400,6 +430,6 @@ MARKDOWN_HEAD = (
     "| model | trains | quantization | SoC | delegates | ops on CPU "
     "| convolution_backward delegated | lower s | step s | torch's loss per step "
     "| loss gap per step | int8 weights B | static B | context B "
-    "| gradient cosine / norm ratio |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    "| gradient cosine / norm ratio | loss gap, rounded once | gradient, rounded once |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 )

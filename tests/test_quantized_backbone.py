@@ -233,7 +233,7 @@ def test_trained_model_is_cached_and_read_back(tmp_path):
 
     first = qb.trained_model("cifar", epochs=0, cache=tmp_path)
     (path,) = tmp_path.iterdir()
-    assert path.name == "cifar-seed0-epochs0.pt"
+    assert path.name == "cifar-seed0-epochs0-lr0.01.pt"
     untouched = finetune.architecture("cifar", seed=0).state_dict()
     assert all(torch.equal(v, untouched[k]) for k, v in first.state_dict().items())
     altered = {k: v + 1 if v.is_floating_point() else v for k, v in untouched.items()}

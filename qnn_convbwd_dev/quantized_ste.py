@@ -163,20 +163,27 @@ def adapted_torchvision(
     return model
 
 
-def adapted_inside(name: str, dtype: str = "8a8w", seed: int = 0, spread: float = 0.05):
-    """``quantized_backbone.float_model(name)`` with ``finetune.apply_scheme(...,
-    "adapter")``'s residual adapters, its backbone quantized with the adapters left float
-    (``finetune.quantize_for_fit``'s split, calibrated on seeded batches); the adapters'
-    weights drawn from N(0, ``spread``) so that they change the forward. The adapters and
-    the head child train."""
+def adapted_inside(
+    name: str, dtype: str = "8a8w", seed: int = 0, spread: float = 0.05, trained: bool = False
+):
+    """``quantized_backbone.float_model(name, seed, trained)`` with
+    ``finetune.apply_scheme(..., "adapter")``'s residual adapters, its backbone quantized
+    with the adapters left float (``finetune.quantize_for_fit``'s split, calibrated on
+    ``quantized_backbone.calibration_batches(seed, trained)``: seeded random batches, or
+    the digits with ``trained``); the adapters' weights drawn from N(0, ``spread``) so
+    that they change the forward. The adapters and the head child train."""
     from qnn_convbwd import finetune
 
-    net = finetune.apply_scheme(qb.float_model(name, seed), "adapter")
+    net = finetune.apply_scheme(qb.float_model(name, seed, trained), "adapter")
     adapters = [
         f"{n}.adapter" for n, m in net.named_modules() if isinstance(m, finetune.ResidualAdapter)
     ]
     model = quantized.quantize_backbone(
-        net, finetune.head(net), dtype, qb.calibration_batches(seed), float_modules=adapters
+        net,
+        finetune.head(net),
+        dtype,
+        qb.calibration_batches(seed, trained),
+        float_modules=adapters,
     )
     gen = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
@@ -311,11 +318,12 @@ def _gradients(model: nn.Module, batch) -> dict[str, torch.Tensor]:
 
 
 def rounding_deviation(
-    model: nn.Module, steps: int = 3, lr: float = qb.LR["cifar"]
+    model: nn.Module, steps: int = 3, lr: float = qb.LR["cifar"], trained: bool = False
 ) -> RoundingDeviation:
-    """``RoundingDeviation`` of ``model`` on the batches ``measure`` takes: ``steps`` SGD
-    steps at ``lr`` of each reference, and one step's gradients."""
-    data = qb.batches(steps + 2)
+    """``RoundingDeviation`` of ``model`` on the batches ``measure`` takes (the digits
+    with ``trained``): ``steps`` SGD steps at ``lr`` of each reference, and one step's
+    gradients."""
+    data = qb.batches(steps + 2, trained=trained)
     unfused, fused = _reference(model, False), _reference(model, True)
     losses = [torch_losses(start, data[1:-1], lr) for start in (unfused, fused)]
     a, b = _gradients(unfused, data[-1]), _gradients(fused, data[-1])
@@ -350,17 +358,29 @@ class Measurement:
     fused_gradients: dict[str, tuple[float, float]]
 
 
-def build(model_name: str, dtype: str, adapters: tuple[str, ...], head: bool = False):
+def build(
+    model_name: str,
+    dtype: str,
+    adapters: tuple[str, ...],
+    head: bool = False,
+    trained: bool = False,
+):
     """``(model, adapters)``: ``"cifar"`` (``adapted_cifar`` with ``adapters``),
     ``"cifar_qat"`` (``qat_cifar``) or a torchvision model: with ``INSIDE`` in ``adapters``
     ``adapted_inside``, else ``adapted_torchvision`` (split: an input adapter, and the head
-    when ``head``)."""
+    when ``head``). ``trained`` (``adapted_inside`` only): the model trained on the
+    digits, calibrated on them."""
+    if trained and (model_name in ("cifar", "cifar_qat") or INSIDE not in adapters):
+        raise ValueError(
+            f"trained: {model_name} with adapters {', '.join(adapters)}; a trained model "
+            f"is built for a torchvision model with the {INSIDE!r} adapters only"
+        )
     if model_name == "cifar":
         return adapted_cifar(dtype, adapters), adapters
     if model_name == "cifar_qat":
         return qat_cifar(dtype), ("input",)
     if INSIDE in adapters:
-        return adapted_inside(model_name, dtype), (INSIDE, "head")
+        return adapted_inside(model_name, dtype, trained=trained), (INSIDE, "head")
     model = adapted_torchvision(model_name, dtype, head=head)
     return model, ("input", "head") if head else ("input",)
 
@@ -373,14 +393,16 @@ def measure(
     lr: float | None = None,
     model_name: str = "cifar",
     head: bool = False,
+    trained: bool = False,
 ) -> Measurement:
     """Quantize (``build``), lower for training (the context and lowering caches off),
     step ``steps`` times beside torch at ``lr`` (``quantized_backbone.LR`` of the model
-    when None), and compare one step's gradients."""
+    when None), and compare one step's gradients; with ``trained``, the digits model on
+    batches of the digits' test split."""
     import qnn_convbwd
 
-    model, adapters = build(model_name, dtype, adapters, head)
-    data = qb.batches(steps + 2)
+    model, adapters = build(model_name, dtype, adapters, head, trained)
+    data = qb.batches(steps + 2, trained=trained)
     with qnn_convbwd.enabled(lowering_cache=False):
         lowered = qb.lower(model, data[0], soc)
     program = lowered.program

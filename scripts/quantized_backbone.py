@@ -43,15 +43,37 @@ def main() -> None:
         "alone for inference, their output against torch's converted model, the same with "
         "each convolution's ReLU fused, and torch's converted against the float blocks",
     )
+    parser.add_argument(
+        "--torch-only",
+        action="store_true",
+        help="with --forward: torch's converted blocks against the float blocks, not lowered",
+    )
+    parser.add_argument(
+        "--trained",
+        action="store_true",
+        help="with --forward: the model trained on the digits (quantized_backbone."
+        "trained_model), calibrated and run on digits",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if (args.torch_only or args.trained) and args.forward is None:
+        parser.error("--torch-only and --trained go with --forward")
+    if args.forward is not None and args.torch_only:
+        print("| model | weights | quantization | blocks | torch vs float |\n|---|---|---|---|---|")
+        for arch in args.models:
+            for dtype in args.dtypes:
+                for blocks in args.forward or [None]:
+                    error = qb.quantization_error(arch, dtype, blocks, args.trained)
+                    weights = "trained on digits" if args.trained else "random"
+                    print(f"| {arch} | {weights} | {dtype} | {blocks or 'all'} | {error:.2e} |")
+        return
     if args.forward is not None:
         print("| model | quantization | blocks | program vs torch | program vs fused | "
               "torch vs float | program vs float |\n|---|---|---|---|---|---|---|")  # fmt: skip
         for arch in args.models:
             for dtype in args.dtypes:
                 for blocks in args.forward or [None]:
-                    g = qb.forward_gap(arch, dtype, blocks)
+                    g = qb.forward_gap(arch, dtype, blocks, args.trained)
                     print(
                         f"| {g.arch} | {g.dtype} | {g.blocks} | {g.program_vs_torch:.2e} | "
                         f"{g.program_vs_fused:.2e} | {g.torch_vs_float:.2e} | "

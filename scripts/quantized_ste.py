@@ -7,7 +7,9 @@ estimator) for training and step them beside torch: one Markdown row per configu
 ``cifar``: ExecuTorch's CIFAR model with the adapters of ``--adapters``; ``cifar_qat``:
 its quantization-aware-trained features behind an input adapter; ``resnet18``,
 ``mobilenet_v2``: the backbone quantized under its float head, behind an input adapter
-(``--head``: the head trains too).
+(``--head``: the head trains too). ``--trained`` (with ``--adapters inside``): the
+torchvision model trained on scikit-learn's digits (cached), calibrated, stepped and
+compared on digits batches.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ def main() -> None:
     )
     parser.add_argument("--lr", type=float, help="SGD rate (default: the model's)")
     parser.add_argument(
+        "--trained",
+        action="store_true",
+        help="with --adapters inside: the model trained on the digits "
+        "(quantized_backbone.trained_model), calibrated and stepped on digits batches",
+    )
+    parser.add_argument(
         "--rounding",
         action="store_true",
         help="torch only: the reference against the same with each activation rounded once",
@@ -46,9 +54,9 @@ def main() -> None:
     if args.rounding:
         for model in args.models:
             for dtype in args.dtypes:
-                built, _ = qs.build(model, dtype, tuple(args.adapters), args.head)
+                built, _ = qs.build(model, dtype, tuple(args.adapters), args.head, args.trained)
                 lr = args.lr if args.lr is not None else qb.LR.get(model, qb.LR["cifar"])
-                found = qs.rounding_deviation(built, args.steps, lr)
+                found = qs.rounding_deviation(built, args.steps, lr, args.trained)
                 print(
                     f"{model} {dtype}: losses {found.losses[0]} (unfused) vs {found.losses[1]} "
                     f"(fused), gaps {', '.join(f'{g:.1e}' for g in found.loss_gaps)}; gradient "
@@ -69,6 +77,7 @@ def main() -> None:
                     lr=args.lr,
                     model_name=model,
                     head=args.head,
+                    trained=args.trained,
                 )
                 print(qs.markdown_row(measured), flush=True)
 

@@ -223,3 +223,52 @@ def test_fused_activations_drops_the_rounding_between_a_convolution_and_its_relu
         ours, theirs = fused(x), converted(x)
     assert not torch.equal(ours, theirs)
     assert float((ours - theirs).abs().max()) <= conv_scale * 1.01
+
+
+def test_trained_model_is_cached_and_read_back(tmp_path):
+    """``trained_model`` writes the state dict it trained to the cache, and a later call
+    reads that file instead of training (here the file altered in between comes back);
+    a file that is not such a checkpoint is refused with its path."""
+    from qnn_convbwd import finetune
+
+    first = qb.trained_model("cifar", epochs=0, cache=tmp_path)
+    (path,) = tmp_path.iterdir()
+    assert path.name == "cifar-seed0-epochs0-lr0.01.pt"
+    untouched = finetune.architecture("cifar", seed=0).state_dict()
+    assert all(torch.equal(v, untouched[k]) for k, v in first.state_dict().items())
+    altered = {k: v + 1 if v.is_floating_point() else v for k, v in untouched.items()}
+    torch.save(altered, path)
+    again = qb.trained_model("cifar", epochs=0, cache=tmp_path)
+    assert not again.training
+    assert all(torch.equal(v, altered[k]) for k, v in again.state_dict().items())
+    path.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=str(path)):
+        qb.trained_model("cifar", epochs=0, cache=tmp_path)
+
+
+def test_trained_batches_are_digits_the_model_did_not_train_on():
+    """With ``trained``: the stepping batches are drawn from the digits' test split, the
+    calibration batches from its training split, both seeded."""
+    from qnn_convbwd import finetune
+
+    split = finetune.digits(qb.SIZE)
+
+    def rows(x: torch.Tensor) -> set[bytes]:
+        return {image.numpy().tobytes() for image in x}
+
+    train, test = rows(split.train[0]), rows(split.test[0])
+    found = qb.batches(4, trained=True)
+    assert [tuple(x.shape) for x, _ in found] == [(qb.BATCH, 3, qb.SIZE, qb.SIZE)] * 4
+    images = torch.cat([x for x, _ in found])
+    assert rows(images) <= test and not rows(images) & train
+    labels = {image.numpy().tobytes(): int(y) for image, y in zip(*split.test, strict=True)}
+    assert all(
+        labels[image.numpy().tobytes()] == int(y) for x, ys in found for image, y in zip(x, ys)
+    )
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(found, qb.batches(4, trained=True)))
+    assert not torch.equal(found[0][0], qb.batches(1, seed=2, trained=True)[0][0])
+    calibration = qb.calibration_batches(trained=True)
+    assert len(calibration) == qb.CALIBRATION_BATCHES
+    assert rows(torch.cat(calibration)) <= train
+    with pytest.raises(ValueError, match="test split has 297"):
+        qb.batches(100, trained=True)

@@ -428,3 +428,13 @@ def test_an_input_adapters_gradient_crosses_a_padded_quantized_max_pool(kernel):
     agreement = qs.gradient_agreement(model, lowered.program, data[1])
     for name, (cosine, ratio) in agreement.items():
         assert cosine > 0.99 and abs(ratio - 1) < 0.05, (name, cosine, ratio)
+
+
+@pytest.mark.parametrize(
+    ("model", "adapters"), [("cifar", ("input", "between")), ("resnet18", ("input",))]
+)
+def test_trained_builds_only_the_adapters_inside_a_torchvision_model(model, adapters):
+    from qnn_convbwd_dev import quantized_ste as qs
+
+    with pytest.raises(ValueError, match=f"{model} with adapters .*'inside' adapters only"):
+        qs.build(model, "8a8w", adapters, trained=True)

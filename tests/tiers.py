@@ -203,4 +203,71 @@ LONG: dict[str, str] = {
     "tests/test_dropout.py::test_cifar_train_decides_one_delegate_with_the_draw_on_cpu": (
         "decide() on the CIFAR model; test_cifar_train_is_one_delegate lowers it"
     ),
+    "tests/test_max_pool_zoo.py::test_resnet18_pool_backward_is_delegated": (
+        "a whole resnet18 lowered bias-only for its stem's pool; test_max_pool's "
+        "test_training_graph_pool_backward_on_htp[k3s2p1_resnet] runs the same pool's "
+        "backward on the HTP against torch"
+    ),
+    "tests/test_max_pool_zoo.py::test_resnet18_whole_graph_gradients_match_torch": (
+        "the same resnet18 lowering's gradients; test_numerics's test_batch_norm_becomes_"
+        "elementwise_ops_and_a_trained_weight_stays_a_read checks the batch-norm rewrite "
+        "that fixed them"
+    ),
+    "tests/test_finetune_quantized.py::test_adapters_train_inside_the_quantized_backbone": (
+        "the adapter scheme's quantized finetune run; test_quantized_run_writes_its_outputs "
+        "runs the quantized command and test_quantized_ste's test_a_float_adapter_inside_"
+        "the_backbone_trains_and_the_rest_is_quantized builds the adapters inside"
+    ),
+    "tests/test_lowering_cache.py::test_a_program_whose_read_back_emits_other_bytes_is_not_stored": (  # noqa: E501
+        "the refusal of an entry whose read-back differs, one more lowering; "
+        "test_the_same_program_again_is_read_back_and_trains_the_same checks the read-back"
+    ),
+    "tests/test_split.py::test_split_keeps_max_pool_indices_inside_one_delegate": (
+        "a CIFAR model split small, its pool indices inside one delegate; "
+        "test_split_demo_trains_as_one_delegate_does splits a program and trains it"
+    ),
+    "tests/test_weight_layout.py::test_other_convolutions_compute_what_the_torch_layout_computes": (  # noqa: E501
+        "strided, grouped, dilated and 3-D convolutions in both layouts; test_weights_enter_"
+        "and_gradients_leave_in_the_filter_layout checks the layout"
+    ),
+    "tests/test_conv_batch_norm.py::test_a_folded_weight_is_stored_once": (
+        "the folded weights' storage; test_folded_bias_only_step_is_one_delegate_and_within_"
+        "fidelity lowers and steps a folded program"
+    ),
+    "tests/test_conv_batch_norm.py::test_a_trained_convolution_weight_is_not_folded_with_fold_frozen": (  # noqa: E501
+        "another refusal to fold; test_a_trained_batch_norm_weight_is_not_folded_and_says_why "
+        "checks the refusal and its reason"
+    ),
+    "tests/test_parallel_finalize.py::test_parallel_program_trains_exactly_as_the_in_process_one": (  # noqa: E501
+        "a program finalised in forked processes, trained; test_forked_finalisation_stores_"
+        "and_reuses_context_binaries finalises one in forked processes"
+    ),
+    "tests/test_saver.py::test_joint_graph_transpose_conv_reads_the_forward_weight": (
+        "a joint graph through the Saver; test_small_conv_ops_and_tensor_types records a "
+        "lowering with it"
+    ),
+    "tests/test_context_cache.py::test_the_stock_flow_reports_progress_and_uses_the_cache": (
+        "executorch's own flow with the cache; test_the_same_program_again_reuses_the_binary "
+        "checks the reuse through lower()"
+    ),
+    "tests/test_train_mode.py::test_batch_norm_in_eval_inside_a_training_model_keeps_frozen_statistics": (  # noqa: E501
+        "an eval batch norm in a training model; test_optimizer's test_a_frozen_eval_batch_"
+        "norm_trains_on_the_htp lowers and steps one"
+    ),
+    "tests/test_full_backward.py::test_fully_trainable_network_runs_every_backward_on_htp[mobilenet-SM8850]": (  # noqa: E501
+        "the MobileNet-like backbone; [resnet-SM8550] runs the same check"
+    ),
+    "tests/test_full_backward.py::test_conv1d_backward_lowers_through_the_2d_path[frozen]": (
+        "the frozen variant; [trainable] lowers the same 1-D backward"
+    ),
+    "tests/test_split.py::test_split_demo_trains_as_one_delegate_does[15]": (
+        "a coarser split of the same demo; [6] splits and trains it"
+    ),
+    "tests/test_padding_defect.py::test_grad_weight_where_taps_read_only_padding_matches_torch[depthwise-7x7-at-3x3]": (  # noqa: E501
+        "a 7x7 kernel at 3x3; [depthwise-5x5-at-2x2] runs the same plan on a depthwise "
+        "convolution whose taps read only padding"
+    ),
+    "tests/test_distribute_mul.py::test_distributed_product_is_at_the_fp16_floor[SM8850]": (
+        "the same check on V81; [SM8650] runs it on V75"
+    ),
 }

@@ -253,6 +253,58 @@ def torch_losses(start: nn.Module, data: list, lr: float) -> list[float]:
     return found
 
 
+def _with_estimators(model: nn.Module, make) -> nn.Module:
+    """``reference(model)`` with each estimator node's target ``make(node.name)``."""
+    ref = reference(model)
+    target = torch.ops.qnn_convbwd.straight_through_quantize.default
+    for graph_module in ref.modules():
+        if not isinstance(graph_module, torch.fx.GraphModule):
+            continue
+        for node in graph_module.graph.nodes:
+            if node.op == "call_function" and node.target == target:
+                node.target = make(node.name)
+        graph_module.recompile()
+    return ref
+
+
+def clamped_elements(model: nn.Module, x: torch.Tensor) -> dict[str, int]:
+    """Per activation quantize of ``reference(model)`` (by node name), how many elements
+    of its input lie beyond the calibrated range on ``x``: where torch's estimator zeroes
+    the gradient and the HTP's, reading the stored value, passes it (docs/quantized.md,
+    "Clamped gradients on the HTP")."""
+    found: dict[str, int] = {}
+
+    def counting(name: str):
+        def quantize(x, scale, zero_point, quant_min, quant_max, dtype, low, high):
+            found[name] = found.get(name, 0) + int(((x < low) | (x > high)).sum())
+            return torch.ops.qnn_convbwd.straight_through_quantize(
+                x, scale, zero_point, quant_min, quant_max, dtype, low, high
+            )
+
+        return quantize
+
+    with torch.no_grad():
+        _with_estimators(model, counting)(x)
+    return found
+
+
+def stored_value_reference(model: nn.Module) -> nn.Module:
+    """``reference(model)`` whose estimators pass the gradient everywhere, clamped
+    elements included: what the HTP's estimator computes, its mask reading the stored
+    value, which always lies inside the range (docs/quantized.md)."""
+
+    def passing(_name: str):
+        def quantize(x, scale, zero_point, quant_min, quant_max, dtype, low, high):
+            stored = torch.ops.qnn_convbwd.straight_through_quantize(
+                x, scale, zero_point, quant_min, quant_max, dtype, low, high
+            )
+            return x + (stored - x).detach()
+
+        return quantize
+
+    return _with_estimators(model, passing)
+
+
 def train_both(
     model: nn.Module, program, data: list, lr: float
 ) -> list[tuple[float, float, float]]:
@@ -262,19 +314,20 @@ def train_both(
 
 
 def gradient_agreement(
-    model: nn.Module, program, batch, fused: bool = False
+    model: nn.Module, program, batch, torch_model: nn.Module | None = None
 ) -> dict[str, tuple[float, float]]:
     """Per trainable parameter, (cosine, norm ratio) of the program's gradient against
-    torch's (the reference; with ``fused`` the reference of ``fused_activations``), from
-    one SGD step at lr 1 on ``batch``."""
-    return gradient_agreements(model, program, batch, (fused,))[0]
+    torch's (``torch_model``, by default ``reference(model)``), from one SGD step at lr 1
+    on ``batch``."""
+    torch_model = reference(model) if torch_model is None else torch_model
+    return gradient_agreements(program, batch, [torch_model])[0]
 
 
 def gradient_agreements(
-    model: nn.Module, program, batch, fused: Sequence[bool] = (False, True)
+    program, batch, torch_models: Sequence[nn.Module]
 ) -> list[dict[str, tuple[float, float]]]:
-    """``gradient_agreement`` against each reference of ``fused``, from one program step."""
-    expected = [_gradients(_reference(model, f), batch) for f in fused]
+    """``gradient_agreement`` against each of ``torch_models``, from one program step."""
+    expected = [_gradients(m, batch) for m in torch_models]
     x, y = batch
     session = program.session(1.0)
     try:
@@ -409,7 +462,9 @@ def measure(
     rate = lr if lr is not None else qb.LR.get(model_name, qb.LR["cifar"])
     done = train_both(model, program, data[1:-1], rate)
     fused_losses = torch_losses(_reference(model, True), data[1:-1], rate)
-    gradients, fused_gradients = gradient_agreements(model, program, data[-1])
+    gradients, fused_gradients = gradient_agreements(
+        program, data[-1], [_reference(model, False), _reference(model, True)]
+    )
     rows = program.report.rows
     return Measurement(
         model=model_name,

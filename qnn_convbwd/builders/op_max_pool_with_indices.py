@@ -11,7 +11,7 @@ RecomposePadMaxPool2d, what ``geometry.pool.IndexPlane`` records for the
 backward). NHWC activations::
 
     canvas   = Pad(x, -inf)                 # only where padding / ceil_mode need it
-    values   = PoolMax2d(canvas)            # ElementWiseMaximum chain when dilated
+    values   = PoolMax2d(canvas)            # ElementWiseMaximum chain when dilated or padded
     x_j      = StridedSlice(canvas, j * d, step s)   # what offset j of every window reads
     indices  = table_last
     indices  = ElementWiseSelect(ElementWiseEqual(x_j, values), table_j, indices)
@@ -21,6 +21,12 @@ backward). NHWC activations::
 The equality is exact: PoolMax2d's (and Maximum's) output is one of its inputs,
 in the same precision. The indices are int32 (QNN has no int64); they never
 leave the delegate (the partition rule), so nothing reads them as torch's int64.
+
+A padded canvas (this visitor's -inf Pad, or the ``constant_pad_nd`` executorch's
+RecomposePadMaxPool2d puts before a padded pool) gets the ElementWiseMaximum chain for
+its values, never PoolMax2d: QAIRT's PoolMax2d reading a Pad's output computes some
+windows from values outside them (measured, QAIRT 2.51, V69 to V81: kernel 2 or 4,
+stride 2, padding 1 on an even width, the last output column; docs/htp_defects.md).
 
 A pool whose indices are unused is left to executorch's visitor (``original``).
 """
@@ -38,14 +44,21 @@ from .op_max_pool_backward import window_table
 
 TARGET = "aten.max_pool2d_with_indices.default"
 CAST_TARGET = "dim_order_ops._to_dim_order_copy.default"  # executorch's visitor: op_to.py
-# "pool_max" (default): PoolMax2d for the values where the pool is not dilated;
-# "maximum": the values as an ElementWiseMaximum chain over the slices (always).
+# "pool_max" (default): PoolMax2d for the values where the pool is neither dilated nor
+# padded (``reads_padding``); "maximum": the values as an ElementWiseMaximum chain over
+# the slices (always).
 VALUES = "pool_max"
 
 
 def window_extent(pool: pg.MaxPoolBackward) -> tuple[int, ...]:
     """Per dim, the padded extent the windows read: ``(out - 1) * s + (k - 1) * d + 1``."""
     return tuple((o - 1) * s + (k - 1) * d + 1 for _, o, k, s, _, d in pool.per_dim())
+
+
+def trailing_padding(pool: pg.MaxPoolBackward) -> tuple[int, ...]:
+    """Per dim, the -inf the windows read past the input's end (ceil_mode's last windows)."""
+    extent = window_extent(pool)
+    return tuple(max(0, e - p - i) for e, p, i in zip(extent, pool.padding, pool.in_sizes))
 
 
 class _Builder:
@@ -71,7 +84,7 @@ class _Builder:
         cut to the windows' extent; ``source`` itself when it is exactly that."""
         pool, dtype = self.pool, self.pool.dtype
         extent = window_extent(pool)
-        after = [max(0, e - p - i) for e, p, i in zip(extent, pool.padding, pool.in_sizes)]
+        after = trailing_padding(pool)
         padded_sizes = [p + i + a for p, i, a in zip(pool.padding, pool.in_sizes, after)]
         if any(pool.padding) or any(after):
             padded = self.tensor("canvas_pad", padded_sizes, dtype)
@@ -118,6 +131,16 @@ def _maximum_chain(b: _Builder, slices: list, values) -> None:
         running = out
 
 
+def reads_padding(node: torch.fx.Node, pool: pg.MaxPoolBackward) -> bool:
+    """Whether the pool's windows read a Pad's output: its input is executorch's
+    ``constant_pad_nd`` (RecomposePadMaxPool2d), or ``_Builder.canvas`` pads it
+    (padding, or ceil_mode's last windows)."""
+    source = node.args[pg.F_INPUT]
+    pad = integration.get("ops").edge.aten.constant_pad_nd.default
+    explicit = isinstance(source, torch.fx.Node) and source.target == pad
+    return explicit or any(pool.padding) or any(trailing_padding(pool))
+
+
 def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
     """PoolMax2d values and int32 first-maximum indices (module docstring)."""
     pool = pg.parse_forward(node)
@@ -155,7 +178,11 @@ def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
     canvas = b.canvas(source)
     offsets = list(pool.offsets())
     slices = [b.window_slice(canvas, number, offset) for number, offset in enumerate(offsets)]
-    if VALUES == "pool_max" and all(d == 1 for d in pool.dilation):
+    if (
+        VALUES == "pool_max"
+        and all(d == 1 for d in pool.dilation)
+        and not reads_padding(node, pool)
+    ):
         _pool_max(b, canvas, values)
     elif len(slices) == 1:
         b.op("values_op", "OpReshape", [slices[0]], [values])

@@ -575,7 +575,8 @@ def stages() -> tuple[Stage, ...]:
                 ),
             ),
             "executorch's forward max pool and indices cast visitors, wrapped: the "
-            "indices computed on the HTP for the backward",
+            "indices computed on the HTP for the backward, and a Maximum chain for "
+            "the values of a pool reading a Pad's output",
             hook="visitor_wraps",
         ),
         Stage(

@@ -405,8 +405,9 @@ def test_full_reductions_name_their_dims_and_keep_the_numbers():
 def test_executorch_lowers_a_padded_two_by_two_max_pool_right(qnn_sdk):
     """Canary (plugin off): executorch's own lowering of a values-only pool, its padding
     an explicit Pad (RecomposePadMaxPool2d) before PoolMax2d. XPASSes when QAIRT
-    computes it right; until then the plugin's pool with indices takes its values from
-    a Maximum chain wherever a Pad feeds it (the k2s2p1 config above)."""
+    computes it right; until then the plugin takes a pool's values from a Maximum chain
+    wherever a Pad feeds it (the k2s2p1 config above, and the values-only pools of
+    ``test_values_only_padded_pool_matches_torch``)."""
     import qnn_convbwd
     from qnn_convbwd.toolchain import harness
 
@@ -416,3 +417,41 @@ def test_executorch_lowers_a_padded_two_by_two_max_pool_right(qnn_sdk):
     out = harness.lower_module(module, (x,), "SM8650").run([x])[0]
     # fp16 inside the delegate: the maximum is one of the inputs, rounded to fp16.
     torch.testing.assert_close(out, module(x).half().float(), rtol=1e-6, atol=1e-6)
+
+
+def _values_only_model(pool: nn.Module) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), pool).eval()
+
+
+@pytest.mark.parametrize(
+    ("pool", "size", "maximum_chain"),
+    [
+        # The defective geometry: 2x2, stride 2, padding 1 on an even width. Through
+        # executorch's PoolMax2d, 56 of 1296 values are wrong here (up to 1.37); at 8x8
+        # after this ReLU the wrong reads happened to give the right maxima.
+        pytest.param(nn.MaxPool2d(2, 2, 1), (16, 16), True, id="k2s2p1_even"),
+        # An odd width reads a Pad too: the same chain, right.
+        pytest.param(nn.MaxPool2d(2, 2, 1), (15, 15), True, id="k2s2p1_odd"),
+        # No Pad: executorch's PoolMax2d.
+        pytest.param(nn.MaxPool2d(2, 2), (16, 16), False, id="k2s2_unpadded"),
+    ],
+)
+def test_values_only_padded_pool_matches_torch(qnn_sdk, plugin, pool, size, maximum_chain):
+    """An inference pool (no indices used) whose input is RecomposePadMaxPool2d's Pad
+    takes its values from the Maximum chain, not PoolMax2d; an unpadded one keeps
+    PoolMax2d. The values equal torch's (fp16 delegate: tolerance of an fp16 conv)."""
+    from qnn_convbwd.toolchain import harness
+
+    model = _values_only_model(pool)
+    x = torch.randn(2, 3, *size, generator=torch.Generator().manual_seed(1))
+    with integration.capture_qnn_graphs() as graphs:
+        # finetune's infer.pte path: executorch's lowering with the plugin enabled.
+        compiled = harness.lower_module(model, (x,), "SM8650")
+    assert harness.delegate_count(compiled.edge) == 1
+    assert _pool_ops_left(compiled.edge) == 0
+    got = compiled.run([x])[0]
+    torch.testing.assert_close(got, model(x), rtol=1e-2, atol=1e-2)
+    ops = collections.Counter(op.op_type for graph in graphs for op in graph)
+    assert (ops["PoolMax2d"] == 0) == maximum_chain, ops
+    assert (ops["ElementWiseMaximum"] > 0) == maximum_chain, ops

@@ -28,10 +28,15 @@ its values, never PoolMax2d: QAIRT's PoolMax2d reading a Pad's output computes s
 windows from values outside them (measured, QAIRT 2.51, V69 to V81: kernel 2 or 4,
 stride 2, padding 1 on an even width, the last output column; docs/htp_defects.md).
 
-A pool whose indices are unused is left to executorch's visitor (``original``).
+A float pool whose indices are unused gets the same ElementWiseMaximum chain for its
+values where it reads a Pad's output (``build_values``); every other pool whose indices
+are unused (a quantized one included) is left to executorch's visitor (``original``,
+PoolMax2d).
 """
 
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 import torch
@@ -141,9 +146,18 @@ def reads_padding(node: torch.fx.Node, pool: pg.MaxPoolBackward) -> bool:
     return explicit or any(pool.padding) or any(trailing_padding(pool))
 
 
-def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
-    """PoolMax2d values and int32 first-maximum indices (module docstring)."""
-    pool = pg.parse_forward(node)
+def indices_used(node: torch.fx.Node) -> bool:
+    """Whether anything reads the pool's indices (output 1), or the whole tuple."""
+    return any(
+        user.target is not operator.getitem or user.args[1] != pg.VALUES for user in node.users
+    )
+
+
+def _values(visitor, node: torch.fx.Node, nodes_to_wrappers, pool: pg.MaxPoolBackward):
+    """The pool's values (output 0) built into a new ``_Builder``: PoolMax2d, or the
+    ElementWiseMaximum chain where the windows read a Pad's output. Returns the builder,
+    the window slices, the float values tensor and, for a quantized pool, the quantized
+    output (else None)."""
     native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
     source_node = visitor.get_node(node.args[pg.F_INPUT])
     source = visitor.define_tensor(
@@ -152,23 +166,10 @@ def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
     values = visitor.define_tensor(
         node, node, visitor.get_tensor(node, node, pg.VALUES), native, nodes_to_wrappers
     )
-    indices_value = visitor.get_tensor(node, node, pg.INDICES_OUTPUT).to(torch.int32)
-    # executorch defines every output of a node with the node's quantization; the indices
-    # of a quantized pool are int32 all the same.
-    key = integration.get("QCOM_QUANT_ATTRS")
-    attrs = node.meta.pop(key, None)
-    try:
-        indices = visitor.define_tensor(
-            node, node, indices_value, native, nodes_to_wrappers, wrapper_idx=pg.INDICES_OUTPUT
-        )
-    finally:
-        if attrs is not None:
-            node.meta[key] = attrs
     b = _Builder(visitor, node, nodes_to_wrappers, pool)
-    # A quantized pool (a pt2e model's, whose backward the straight-through estimator
-    # reaches) is built on its dequantized input, and its values quantized again: the
-    # maximum is one of the inputs, so the round trip is exact, and the -inf padding and
-    # the equalities are those of the float pool.
+    # A quantized pool (a pt2e model's) is built on its dequantized input, and its values
+    # quantized again: the maximum is one of the inputs, so the round trip is exact, and
+    # the -inf padding and the equalities are those of the float pool.
     quantized_values = None
     if source_node.meta.get(integration.get("QCOM_QUANT_ATTRS")):
         dequantized = b.tensor("dequantized", pool.in_sizes, torch.float32)
@@ -188,6 +189,41 @@ def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
         b.op("values_op", "OpReshape", [slices[0]], [values])
     else:
         _maximum_chain(b, slices, values)
+    return b, slices, values, quantized_values
+
+
+def _quantize_values(b: _Builder, values, quantized_values) -> None:
+    if quantized_values is not None:
+        b.op("values_quantized_op", "OpQuantize", [values], [quantized_values])
+
+
+def build_values(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
+    """The values of a float pool whose indices are unused and that reads a Pad's
+    output (``reads_padding``): the ElementWiseMaximum chain."""
+    pool = pg.parse_forward(node)
+    b, _, values, quantized_values = _values(visitor, node, nodes_to_wrappers, pool)
+    _quantize_values(b, values, quantized_values)
+    return b.ops
+
+
+def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
+    """PoolMax2d values and int32 first-maximum indices (module docstring)."""
+    pool = pg.parse_forward(node)
+    b, slices, values, quantized_values = _values(visitor, node, nodes_to_wrappers, pool)
+    native = integration.get("Qnn_TensorType_t").QNN_TENSOR_TYPE_NATIVE
+    indices_value = visitor.get_tensor(node, node, pg.INDICES_OUTPUT).to(torch.int32)
+    # executorch defines every output of a node with the node's quantization; the indices
+    # of a quantized pool are int32 all the same.
+    key = integration.get("QCOM_QUANT_ATTRS")
+    attrs = node.meta.pop(key, None)
+    try:
+        indices = visitor.define_tensor(
+            node, node, indices_value, native, nodes_to_wrappers, wrapper_idx=pg.INDICES_OUTPUT
+        )
+    finally:
+        if attrs is not None:
+            node.meta[key] = attrs
+    offsets = list(pool.offsets())
 
     # torch's flat index counts in the pool's own (unpadded) input plane; window_table
     # marks padding -1, where the canvas holds -inf, which is never the maximum.
@@ -208,8 +244,7 @@ def build(visitor, node: torch.fx.Node, nodes_to_wrappers) -> list:
         out = indices if number == 0 else b.tensor(f"idx{number}", pool.out_sizes, torch.int32)
         b.op(f"idx{number}_op", "OpElementWiseSelect", [mask, table(number), running], [out])
         running = out
-    if quantized_values is not None:
-        b.op("values_quantized_op", "OpQuantize", [values], [quantized_values])
+    _quantize_values(b, values, quantized_values)
     return b.ops
 
 
@@ -229,7 +264,13 @@ def define_indices_cast(original, visitor, node: torch.fx.Node, nodes_to_wrapper
 
 
 def define_max_pool(original, visitor, node: torch.fx.Node, nodes_to_wrappers):
-    """executorch's visitor, unless the plugin delegates the node's indices."""
-    if not node.meta.get(INDICES_ON_HTP):
-        return original()
-    return build(visitor, node, nodes_to_wrappers)
+    """The plugin's pool with indices where it delegates the node's indices; else the
+    values alone, as the Maximum chain, where a float pool reads a Pad's output
+    (``reads_padding``); else executorch's visitor (PoolMax2d)."""
+    if node.meta.get(INDICES_ON_HTP):
+        return build(visitor, node, nodes_to_wrappers)
+    quantized = node.args[pg.F_INPUT].meta.get(integration.get("QCOM_QUANT_ATTRS"))
+    if not quantized and not indices_used(node) and reads_padding(node, pg.parse_forward(node)):
+        return build_values(visitor, node, nodes_to_wrappers)
+    # executorch's visitor refuses a pool whose indices are used (it stays on CPU).
+    return original()

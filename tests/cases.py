@@ -468,3 +468,22 @@ CASE_BY_NAME: dict[str, Case] = {c.name: c for c in CASES}
 
 def case_ids(cases: Sequence[Case]) -> list[str]:
     return [c.name for c in cases]
+
+
+# --- executorch's QNN flow up to its partitioner ----------------------------------------
+
+
+def qnn_edge(program: torch.export.ExportedProgram, specs: list) -> torch.export.ExportedProgram:
+    """``program`` through executorch's QNN export and to_edge passes (the plugin's among
+    them when it is enabled): the edge program its partitioner sees."""
+    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
+    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
+    from executorch.exir import to_edge_transform_and_lower
+
+    passes = QnnPassManager()
+    aten = passes.transform_for_export_pipeline(program)
+    return to_edge_transform_and_lower(
+        aten,
+        transform_passes=passes.get_to_edge_transform_passes(aten, compiler_specs=specs),
+        compile_config=qnn_edge_config(),
+    ).exported_program()

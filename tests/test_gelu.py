@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 
+import cases
 import torch
 from executorch.exir import to_edge
 from torch import nn
@@ -65,18 +66,9 @@ def _qnn_support(program: torch.export.ExportedProgram, specs: list):
     """executorch's QNN to_edge passes (the plugin's among them when it is enabled) on
     ``program``, then the edge program and its (patched) per-node support check, which
     asks QNN's op validation; call it inside ``QnnManagerContext``."""
-    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
     from executorch.backends.qualcomm.partition.qnn_partitioner import QnnOperatorSupport
-    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
-    from executorch.exir import to_edge_transform_and_lower
 
-    passes = QnnPassManager()
-    aten = passes.transform_for_export_pipeline(program)
-    edge = to_edge_transform_and_lower(
-        aten,
-        transform_passes=passes.get_to_edge_transform_passes(aten, compiler_specs=specs),
-        compile_config=qnn_edge_config(),
-    ).exported_program()
+    edge = cases.qnn_edge(program, specs)
     return edge, QnnOperatorSupport(edge, specs, set(), set())
 
 

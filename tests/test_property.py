@@ -648,20 +648,6 @@ def _compile_specs(soc: str) -> list:
     return harness.compile_specs(soc)
 
 
-def _qnn_edge(program, specs):
-    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
-    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
-    from executorch.exir import to_edge_transform_and_lower
-
-    passes = QnnPassManager()
-    aten = passes.transform_for_export_pipeline(program)
-    return to_edge_transform_and_lower(
-        aten,
-        transform_passes=passes.get_to_edge_transform_passes(aten, compiler_specs=specs),
-        compile_config=qnn_edge_config(),
-    ).exported_program()
-
-
 @pytest.mark.htp
 @RUN_SIZES
 def test_visitor_and_validation(size, qnn_sdk, plugin):
@@ -677,7 +663,7 @@ def test_visitor_and_validation(size, qnn_sdk, plugin):
         config, soc = drawn
         built = cases.build(config, seed)
         specs = _compile_specs(soc)
-        edge = _qnn_edge(built.program, specs)
+        edge = cases.qnn_edge(built.program, specs)
         # The plugin's passes may have split the node (grad_input apart from
         # grad_weight/grad_bias) or lifted a 1-D one to 2-D; judge each node.
         nodes = cases.conv_backward_nodes(edge.graph)

@@ -208,19 +208,10 @@ def _dequantized_weight_program():
 
 def _partition_check(program, specs, caplog) -> tuple[torch.fx.Node, bool]:
     """executorch's QNN to_edge passes, then its (patched) support check on the node."""
-    from executorch.backends.qualcomm._passes.qnn_pass_manager import QnnPassManager
     from executorch.backends.qualcomm.partition.qnn_partitioner import QnnOperatorSupport
     from executorch.backends.qualcomm.utils.qnn_manager_lifecycle import QnnManagerContext
-    from executorch.backends.qualcomm.utils.utils import qnn_edge_config
-    from executorch.exir import to_edge_transform_and_lower
 
-    passes = QnnPassManager()
-    aten = passes.transform_for_export_pipeline(program)
-    edge = to_edge_transform_and_lower(
-        aten,
-        transform_passes=passes.get_to_edge_transform_passes(aten, compiler_specs=specs),
-        compile_config=qnn_edge_config(),
-    ).exported_program()
+    edge = cases.qnn_edge(program, specs)
     (node,) = cases.conv_backward_nodes(edge.graph)
     caplog.set_level(logging.INFO, logger="qnn_convbwd")
     with QnnManagerContext({"forward": specs}):

@@ -105,6 +105,21 @@ def _traced(module: nn.Module) -> torch.fx.GraphModule:
     return torch.fx.symbolic_trace(module)
 
 
+def _pair_values(x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``_Pairs``'s intermediate values on ``x`` (gain 1.5), each pair's in-range mask."""
+    with torch.no_grad():
+        inner = x * 1.5
+        lo1, hi1 = quantized.straight_through_bounds(0.05, 128, 0, 255)
+        first = dq_op(q_op(inner, 0.05, 128, 0, 255, torch.uint8), 0.05, 128, 0, 255, torch.uint8)
+        mid = torch.relu(first)
+        lo2, hi2 = quantized.straight_through_bounds(0.02, 3, 0, 255)
+    return {
+        "first": first,
+        "inside1": (inner >= lo1) & (inner <= hi1),
+        "inside2": (mid >= lo2) & (mid <= hi2),
+    }
+
+
 def test_straight_through_keeps_values_and_passes_masked_gradients():
     module = _traced(_Pairs())
     x = torch.randn(256) * 4
@@ -116,14 +131,9 @@ def test_straight_through_keeps_values_and_passes_masked_gradients():
     after.sum().backward()
     # d/dgain of fq2(relu(fq1(g x))) with the estimator: x where both pass (torch's
     # fake quantize has the same backward).
-    with torch.no_grad():
-        inner = x * 1.5
-        lo1, hi1 = quantized.straight_through_bounds(0.05, 128, 0, 255)
-        first = dq_op(q_op(inner, 0.05, 128, 0, 255, torch.uint8), 0.05, 128, 0, 255, torch.uint8)
-        mid = torch.relu(first)
-        lo2, hi2 = quantized.straight_through_bounds(0.02, 3, 0, 255)
-        passes = (inner >= lo1) & (inner <= hi1) & (first > 0) & (mid >= lo2) & (mid <= hi2)
-        expected = (x * passes).sum()
+    v = _pair_values(x)
+    passes = v["inside1"] & (v["first"] > 0) & v["inside2"]
+    expected = (x * passes).sum()
     assert 0 < int(passes.sum()) < x.numel(), "the samples should clamp some and pass some"
     assert torch.allclose(module.gain.grad, expected, rtol=1e-6), (module.gain.grad, expected)
 
@@ -136,16 +146,8 @@ def test_clamped_elements_and_the_htps_estimator():
 
     module = _traced(_Pairs())
     x = torch.randn(256, generator=torch.Generator().manual_seed(3)) * 4
-    with torch.no_grad():
-        inner = x * 1.5
-        lo1, hi1 = quantized.straight_through_bounds(0.05, 128, 0, 255)
-        first = dq_op(q_op(inner, 0.05, 128, 0, 255, torch.uint8), 0.05, 128, 0, 255, torch.uint8)
-        mid = torch.relu(first)
-        lo2, hi2 = quantized.straight_through_bounds(0.02, 3, 0, 255)
-        beyond = [
-            int(((inner < lo1) | (inner > hi1)).sum()),
-            int(((mid < lo2) | (mid > hi2)).sum()),
-        ]
+    v = _pair_values(x)
+    beyond = [int((~v["inside1"]).sum()), int((~v["inside2"]).sum())]
     assert all(beyond), beyond  # the samples clamp at both pairs
     assert sorted(qs.clamped_elements(module, x).values()) == sorted(beyond)
     assert not any(qs.clamped_elements(module, x.clamp(-1, 1) / 8).values())
@@ -153,7 +155,7 @@ def test_clamped_elements_and_the_htps_estimator():
     assert torch.equal(passing(x), module(x))
     passing(x).sum().backward()
     # Every estimator passes: only the relu's mask is left.
-    expected = (x * (first > 0)).sum()
+    expected = (x * (v["first"] > 0)).sum()
     assert torch.allclose(passing.gain.grad, expected, rtol=1e-6), (passing.gain.grad, expected)
     torchs = qs.reference(module)
     torchs(x).sum().backward()

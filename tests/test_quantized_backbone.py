@@ -19,6 +19,7 @@ import functools
 import math
 
 import pytest
+import quantized_lowering
 import torch
 from torch import nn
 
@@ -31,25 +32,12 @@ LR = 0.05
 @functools.cache
 def _lowered(soc: str):
     """(model as lowered, the program, the QNN graphs built) for ``soc``."""
-    from qnn_convbwd import integration, training
-    from qnn_convbwd.toolchain import harness
-
-    model = qb.quantized_cifar("8a8w", "split")
-    with integration.capture_qnn_graphs() as graphs:
-        program = training.lower_for_training(
-            training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
-            qb.batches(1)[0],
-            harness.compile_specs(soc),
-        )
-    return model, program, [list(g) for g in graphs]
+    return quantized_lowering.lowered_with_graphs(qb.quantized_cifar("8a8w", "split"), soc)
 
 
 def _assert_losses_follow_torch(model, program) -> None:
     """Each step's loss within 3e-2 * max(1, |loss|) of torch's."""
-    steps = qb.train_both(model, program, qb.batches(STEPS + 1)[1:], LR)
-    for step, (ours, theirs, _) in enumerate(steps):
-        bound = 3e-2 * max(1.0, abs(theirs))
-        assert abs(ours - theirs) <= bound, f"step {step}: {ours} vs torch {theirs} (> {bound})"
+    quantized_lowering.assert_losses_follow_torch(model, program, STEPS, LR, qb.train_both)
 
 
 @pytest.mark.htp

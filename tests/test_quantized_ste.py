@@ -17,6 +17,7 @@ import copy
 import functools
 
 import pytest
+import quantized_lowering
 import torch
 import torchao.quantization.pt2e  # noqa: F401  registers torch.ops.quantized_decomposed
 from torch import nn
@@ -297,29 +298,15 @@ def test_a_float_adapter_inside_the_backbone_trains_and_the_rest_is_quantized():
 @functools.cache
 def _lowered(soc: str):
     """(model as lowered, the program, the QNN graphs built) for ``soc``."""
-    from qnn_convbwd import integration
-    from qnn_convbwd.toolchain import harness
-    from qnn_convbwd_dev import quantized_backbone as qb
     from qnn_convbwd_dev import quantized_ste as qs
 
-    model = qs.adapted_cifar("8a8w")
-    with integration.capture_qnn_graphs() as graphs:
-        program = training.lower_for_training(
-            training.WithLoss(copy.deepcopy(model), nn.functional.cross_entropy),
-            qb.batches(1)[0],
-            harness.compile_specs(soc),
-        )
-    return model, program, [list(g) for g in graphs]
+    return quantized_lowering.lowered_with_graphs(qs.adapted_cifar("8a8w"), soc)
 
 
 def _assert_losses_follow_torch(model, program) -> None:
-    from qnn_convbwd_dev import quantized_backbone as qb
     from qnn_convbwd_dev import quantized_ste as qs
 
-    steps = qs.train_both(model, program, qb.batches(STEPS + 1)[1:], LR)
-    for step, (ours, theirs, _) in enumerate(steps):
-        bound = 3e-2 * max(1.0, abs(theirs))
-        assert abs(ours - theirs) <= bound, f"step {step}: {ours} vs torch {theirs} (> {bound})"
+    quantized_lowering.assert_losses_follow_torch(model, program, STEPS, LR, qs.train_both)
 
 
 @pytest.mark.htp

@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import json
 import logging
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -182,26 +183,173 @@ def count_on_cpu(on_cpu: Iterable[Any]) -> dict[str, dict[str, int]]:
 
 
 def _torch_steps(
-    net: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, dtype: torch.dtype
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    lr: float,
+    dtype: torch.dtype,
+    perturbation: _Perturbation | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """torch's losses over ``steps`` plain SGD steps of a copy of ``net`` in ``dtype`` on the
-    batch ``(x, y)``, and the first step's gradients (fp32 copies)."""
+    batch ``(x, y)``, and the first step's gradients (fp32 copies). ``perturbation`` (see
+    ``loss_spread``) moves the batch, or in every step before the last the activations, the
+    gradients or the updated weights."""
     model = copy.deepcopy(net).to(dtype)
+    hooks = perturbation.install(model) if perturbation is not None else []
     losses: list[float] = []
     first: dict[str, torch.Tensor] = {}
     for index in range(steps):
+        last = index == steps - 1
+        if last:
+            for hook in hooks:
+                hook.remove()
         model.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.grad is None:
                     continue
                 if index == 0:
                     first[name] = p.grad.float().clone()
-                p.add_(p.grad, alpha=-lr)
+                grad = p.grad
+                if perturbation is not None and not last:
+                    grad = perturbation.gradient(name, grad)
+                p.add_(grad, alpha=-lr)
+                if perturbation is not None and not last:
+                    p.copy_(perturbation.weight(name, p))
     return losses, first
+
+
+# What ``loss_spread`` moves by a relative ``size`` per element.
+PERTURBATIONS = ("inputs", "activations", "gradients", "weights")
+
+
+@dataclasses.dataclass
+class _Perturbation:
+    """Every element of one kind of tensor times ``1 + u * size``, ``u`` uniform on
+    [-1, 1] from ``generator``; activations are the outputs of the modules ``only`` names,
+    gradients and weights those of the parameters whose names start with one of ``only``
+    (all without ``only``)."""
+
+    how: str
+    size: float
+    only: tuple[str, ...]
+    generator: torch.Generator
+
+    def _moved(self, t: torch.Tensor) -> torch.Tensor:
+        u = torch.rand(t.shape, generator=self.generator, dtype=torch.float32) * 2 - 1
+        return (t.float() * (1 + u * self.size)).to(t.dtype)
+
+    def _chosen(self, name: str) -> bool:
+        return not self.only or any(name == o or name.startswith(o + ".") for o in self.only)
+
+    def install(self, model: nn.Module) -> list[Any]:
+        if self.how != "activations":
+            return []
+        modules = dict(model.named_modules())
+        return [
+            modules[name].register_forward_hook(lambda _m, _i, out: self._moved(out))
+            for name in self.only
+        ]
+
+    def gradient(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        return self._moved(grad) if self.how == "gradients" and self._chosen(name) else grad
+
+    def weight(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        return self._moved(p) if self.how == "weights" and self._chosen(name) else p
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """torch's SGD losses, unperturbed (``reference``, one per step) and under ``len(draws)``
+    perturbations of kind ``how`` (``draws[k][step]``)."""
+
+    how: str
+    reference: list[float]
+    draws: list[list[float]]
+
+    def losses(self, step: int) -> list[float]:
+        """Step ``step``'s loss (0 the first), unperturbed first, then each draw's."""
+        return [self.reference[step], *(d[step] for d in self.draws)]
+
+    def deviations(self, step: int) -> list[float]:
+        """Each draw's ``|loss - unperturbed loss|`` at step ``step``."""
+        return [abs(d[step] - self.reference[step]) for d in self.draws]
+
+    def median(self, step: int) -> float:
+        return statistics.median(self.deviations(step))
+
+    def maximum(self, step: int) -> float:
+        return max(self.deviations(step))
+
+
+def loss_spread(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    how: str = "inputs",
+    *,
+    steps: int = 2,
+    lr: float = 0.01,
+    draws: int = 8,
+    seed: int = 0,
+    only: Sequence[str] = (),
+    size: float = 2.0**-11,
+    dtype: torch.dtype = torch.float32,
+) -> Spread:
+    """torch's losses over ``steps`` SGD steps (as the sweep's reference, ``_torch_steps``)
+    from ``net`` on ``(x, y)``, unperturbed and under ``draws`` seeded perturbations of
+    one fp16 rounding's size (``size``, relative, per element):
+
+    * ``inputs``: the batch is ``fidelity.neighbours(x, draws + 1, seed)``'s draws (every
+      step takes it; with ``size`` other than fp16's rounding the same, scaled);
+    * ``activations``: in every step before the last, the outputs of the modules named in
+      ``only`` (at least one);
+    * ``gradients``: in every step before the last, the gradients (of the parameters
+      whose names start with one of ``only``, all without it) before the update;
+    * ``weights``: the same parameters after each update but the last's.
+
+    How far the last step's loss moves says how much one fp16-sized difference in the
+    steps before it can move that loss: a program that differs from torch fp32 by fp16's
+    roundings is one such draw."""
+    from qnn_convbwd_dev import fidelity
+
+    if how not in PERTURBATIONS:
+        raise ValueError(f"unknown perturbation {how!r}: one of {', '.join(PERTURBATIONS)}")
+    if steps < (1 if how == "inputs" else 2):
+        raise ValueError(f"{how} are perturbed before the last step: need 2 steps, got {steps}")
+    if draws < 1:
+        raise ValueError(f"draws must be at least 1, got {draws}")
+    only = tuple(only)
+    if how == "activations":
+        if not only:
+            raise ValueError("activations: name the modules whose outputs move (only=...)")
+        names = {n for n, _ in net.named_modules()}
+    elif how == "inputs":
+        if only:
+            raise ValueError(f"inputs move the whole batch, not {only}")
+        names = set()
+    else:
+        names = {n for n, _ in net.named_parameters()}
+    unknown = [o for o in only if not any(n == o or n.startswith(o + ".") for n in names)]
+    if unknown:
+        raise ValueError(f"{how}: no module or parameter of the model is named {unknown}")
+    reference, _ = _torch_steps(net, x, y, steps, lr, dtype)
+    results = []
+    if how == "inputs":
+        scale = size / fidelity.UNIT_ROUNDOFF
+        for (moved,) in fidelity.neighbours((x,), draws + 1, seed)[1:]:
+            batch = x + (moved - x) * scale if scale != 1.0 else moved
+            results.append(_torch_steps(net, batch, y, steps, lr, dtype)[0])
+    else:
+        for draw in range(draws):
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + draw)
+            perturbation = _Perturbation(how, size, only, generator)
+            results.append(_torch_steps(net, x, y, steps, lr, dtype, perturbation)[0])
+    return Spread(how, reference, results)
 
 
 def _steps(

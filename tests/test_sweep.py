@@ -162,3 +162,80 @@ def test_the_torch_reference_steps_are_torch_optim_sgd():
     assert losses == expected
     assert first.keys() == grads.keys()
     assert all(torch.equal(first[n], grads[n]) for n in grads)
+
+
+def _tiny() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.ReLU(),
+        torch.nn.Flatten(),
+        torch.nn.Linear(4 * 6 * 6, 10),
+    ).train()
+    return net, torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+
+
+@pytest.mark.parametrize("how", sweep.PERTURBATIONS)
+def test_a_loss_spread_of_size_zero_is_the_reference_steps_to_the_bit(how):
+    """Unperturbed, the spread's reference and every draw are the sweep's torch steps;
+    moved by one fp16 rounding, the last step's loss moves (the first only when its
+    forward is moved: the batch or activations)."""
+    net, x, y = _tiny()
+    only = ("1",) if how == "activations" else ()
+    losses, _ = sweep._torch_steps(net, x, y, 3, 0.1, torch.float32)
+    still = sweep.loss_spread(net, x, y, how, steps=3, lr=0.1, draws=3, only=only, size=0.0)
+    assert still.reference == losses
+    assert still.draws == [losses] * 3 and still.maximum(2) == 0.0
+    moved = sweep.loss_spread(net, x, y, how, steps=3, lr=0.1, draws=3, only=only)
+    assert moved.reference == losses
+    assert 0.0 < moved.median(2) <= moved.maximum(2) < 0.1
+    assert (moved.maximum(0) > 0.0) == (how in ("inputs", "activations"))
+    assert len({tuple(d) for d in moved.draws}) == 3  # each draw its own
+
+
+def test_the_inputs_spread_steps_on_fidelitys_neighbours():
+    from qnn_convbwd_dev import fidelity
+
+    net, x, y = _tiny()
+    spread = sweep.loss_spread(net, x, y, "inputs", steps=2, lr=0.1, draws=2, seed=5)
+    batches = [b for (b,) in fidelity.neighbours((x,), 3, seed=5)]
+    expected = [sweep._torch_steps(net, b, y, 2, 0.1, torch.float32)[0] for b in batches]
+    assert [spread.losses(s) for s in (0, 1)] == [[e[s] for e in expected] for s in (0, 1)]
+    assert spread.deviations(1) == [abs(e[1] - expected[0][1]) for e in expected[1:]]
+
+
+def test_perturbed_gradients_and_weights_stay_in_the_named_parameters():
+    """Moving only the head's gradients or weights leaves the convolution's update exact."""
+    net, x, y = _tiny()
+    for how in ("gradients", "weights"):
+        perturbation = sweep._Perturbation(how, 2.0**-11, ("4",), torch.Generator().manual_seed(0))
+        plain, moved = copy.deepcopy(net), copy.deepcopy(net)
+        for model, p in ((plain, None), (moved, perturbation)):
+            hooks = p.install(model) if p is not None else []
+            assert hooks == []
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            with torch.no_grad():
+                for name, w in model.named_parameters():
+                    grad = w.grad if p is None else p.gradient(name, w.grad)
+                    w.add_(grad, alpha=-0.1)
+                    w.copy_(w if p is None else p.weight(name, w))
+        after = dict(moved.named_parameters())
+        for name, w in plain.named_parameters():
+            relative = float(((after[name] - w).abs() / w.abs().clamp_min(1e-30)).max())
+            if name.startswith("4."):
+                assert 0.0 < relative < (2.0**-11 if how == "weights" else 1.0), name
+            else:
+                assert relative == 0.0, name
+
+
+def test_a_loss_spread_names_what_it_cannot_perturb():
+    net, x, y = _tiny()
+    with pytest.raises(ValueError, match="unknown perturbation 'biases'"):
+        sweep.loss_spread(net, x, y, "biases")
+    with pytest.raises(ValueError, match=r"no module or parameter of the model is named \['9'\]"):
+        sweep.loss_spread(net, x, y, "gradients", only=("9",))
+    with pytest.raises(ValueError, match="name the modules"):
+        sweep.loss_spread(net, x, y, "activations")
+    with pytest.raises(ValueError, match="need 2 steps"):
+        sweep.loss_spread(net, x, y, "weights", steps=1)

@@ -403,6 +403,71 @@ def _steps(
     }
 
 
+def step_noise(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int = 2,
+    lr: float = 0.01,
+    draws: int = 16,
+    seed: int = 0,
+) -> list[dict[str, float]]:
+    """Per step, how far fp16-sized differences move torch's loss, over the batch and its
+    ``draws - 1`` neighbours (``loss_spread``'s ``inputs``, in fp32 and in fp16): torch
+    fp32's loss on the batch (``fp32``) and how far its neighbours' move from it (median
+    and largest), torch fp16's gap to fp32 on each draw (median, smallest, largest; the
+    batch's own is ``fp16_gap``), the one-draw bound that gap sets, the multi-draw bound
+    (``step_floor.loss_verdict``) and ``step_floor.fp16_pass_fraction``."""
+    from qnn_convbwd_dev import step_floor
+
+    if draws < 2:
+        raise ValueError(f"step noise needs the batch and at least one neighbour: {draws}")
+    fp32 = loss_spread(net, x, y, "inputs", steps=steps, lr=lr, draws=draws - 1, seed=seed)
+    fp16 = loss_spread(
+        net, x, y, "inputs", steps=steps, lr=lr, draws=draws - 1, seed=seed, dtype=torch.float16
+    )
+    rows = []
+    for step in range(steps):
+        theirs, half = fp32.losses(step), fp16.losses(step)
+        gaps = [abs(h - r) for h, r in zip(half, theirs)]
+        verdict = step_floor.loss_verdict(half, theirs, half)
+        rows.append(
+            {
+                "fp32": theirs[0],
+                "fp32_median": fp32.median(step),
+                "fp32_max": fp32.maximum(step),
+                "fp16_gap": gaps[0],
+                "fp16_median": verdict.floor,
+                "fp16_min": min(gaps),
+                "fp16_max": max(gaps),
+                "one_draw_bound": step_floor.loss_bound(theirs[0], gaps[0]),
+                "bound": verdict.bound,
+                "pass_fraction": step_floor.fp16_pass_fraction(theirs, half),
+            }
+        )
+    return rows
+
+
+def noise_markdown(arch: str, rows: Sequence[dict[str, float]]) -> str:
+    """``step_noise``'s rows as a table, one line per step."""
+    lines = [
+        f"{arch}: torch's losses over the batch and its fp16 neighbours",
+        "",
+        "| step | torch fp32 | fp32 moved: median / max | torch fp16 gap: batch, median "
+        "(min-max) | bound: one draw / multi-draw | fp16 passes one draw |",
+        "|---|---|---|---|---|---|",
+    ]
+    for index, r in enumerate(rows, start=1):
+        lines.append(
+            f"| {index} | {r['fp32']:.4f} | {r['fp32_median']:.4f} / {r['fp32_max']:.4f} | "
+            f"{r['fp16_gap']:.4f}, {r['fp16_median']:.4f} ({r['fp16_min']:.4f}-"
+            f"{r['fp16_max']:.4f}) | {r['one_draw_bound']:.4f} / {r['bound']:.4f} | "
+            f"{r['pass_fraction']:.0%} |"
+        )
+    return "\n".join(lines)
+
+
 def sweep_one(
     arch: str,
     scheme: str = "full",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import statistics
 
 import pytest
 import torch
@@ -239,3 +240,26 @@ def test_a_loss_spread_names_what_it_cannot_perturb():
         sweep.loss_spread(net, x, y, "activations")
     with pytest.raises(ValueError, match="need 2 steps"):
         sweep.loss_spread(net, x, y, "weights", steps=1)
+
+
+def test_step_noise_sets_fp16s_gaps_over_the_neighbours_against_the_bounds():
+    from qnn_convbwd_dev import step_floor
+
+    net, x, y = _tiny()
+    rows = sweep.step_noise(net, x, y, steps=2, lr=0.1, draws=4, seed=1)
+    fp32, _ = sweep._torch_steps(net, x, y, 2, 0.1, torch.float32)
+    fp16, _ = sweep._torch_steps(net, x, y, 2, 0.1, torch.float16)
+    assert [r["fp32"] for r in rows] == fp32
+    assert [r["fp16_gap"] for r in rows] == [abs(h - f) for h, f in zip(fp16, fp32)]
+    spread = sweep.loss_spread(net, x, y, "inputs", steps=2, lr=0.1, draws=3, seed=1)
+    for step, r in enumerate(rows):
+        assert r["fp16_min"] <= min(r["fp16_gap"], r["fp16_median"]) <= r["fp16_max"]
+        assert (r["fp32_median"], r["fp32_max"]) == (spread.median(step), spread.maximum(step))
+        assert r["one_draw_bound"] == step_floor.loss_bound(r["fp32"], r["fp16_gap"])
+        typical = statistics.median(spread.losses(step))
+        assert r["bound"] == step_floor.loss_bound(typical, r["fp16_median"])
+        assert 0.0 <= r["pass_fraction"] <= 1.0
+    table = sweep.noise_markdown("tiny", rows).splitlines()
+    assert len(table) == 6 and table[-1].startswith(f"| 2 | {fp32[1]:.4f} |")
+    with pytest.raises(ValueError, match="at least one neighbour"):
+        sweep.step_noise(net, x, y, draws=1)

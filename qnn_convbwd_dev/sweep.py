@@ -24,6 +24,12 @@ Every op kept on CPU is counted by rule and op, in three kinds (``kind``):
 
 ``markdown(rows)`` is the table of docs/results.md; ``rows`` go to JSON as they are.
 ``scripts/zoo_sweep.py`` is the command.
+
+How much one fp16 rounding can move a step's loss, in torch alone (nothing lowered):
+``loss_spread`` takes torch's steps with the batch, activations, gradients or updated
+weights moved by one fp16 rounding per element, ``step_noise`` sets torch fp32's
+spread over the batch's neighbours beside torch fp16's gaps and the one-draw and
+multi-draw bounds (``step_floor``); ``zoo_sweep.py --noise K`` prints it.
 """
 
 from __future__ import annotations
@@ -204,6 +210,8 @@ def _torch_steps(
         if last:
             for hook in hooks:
                 hook.remove()
+        if perturbation is not None and not last:
+            perturbation.before_step(model, y)
         model.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
         loss.backward()
@@ -223,8 +231,9 @@ def _torch_steps(
     return losses, first
 
 
-# What ``loss_spread`` moves by a relative ``size`` per element.
-PERTURBATIONS = ("inputs", "activations", "gradients", "weights")
+# What ``loss_spread`` moves by a relative ``size`` per element, and what it takes from
+# a neighbour of the batch.
+PERTURBATIONS = ("inputs", "activations", "gradients", "weights", "neighbour_gradients")
 
 
 @dataclasses.dataclass
@@ -232,12 +241,27 @@ class _Perturbation:
     """Every element of one kind of tensor times ``1 + u * size``, ``u`` uniform on
     [-1, 1] from ``generator``; activations are the outputs of the modules ``only`` names,
     gradients and weights those of the parameters whose names start with one of ``only``
-    (all without ``only``)."""
+    (all without ``only``). ``neighbour_gradients``: those gradients are the ones the model
+    has on ``neighbour`` (a moved batch) instead."""
 
     how: str
     size: float
     only: tuple[str, ...]
     generator: torch.Generator
+    neighbour: torch.Tensor | None = None
+    _theirs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def before_step(self, model: nn.Module, y: torch.Tensor) -> None:
+        """The gradients of a copy of ``model`` on ``neighbour`` (its running statistics
+        untouched), for ``gradient`` to hand out."""
+        if self.how != "neighbour_gradients":
+            return
+        assert self.neighbour is not None
+        twin = copy.deepcopy(model)
+        twin.zero_grad(set_to_none=True)
+        dtype = next(twin.parameters()).dtype
+        nn.functional.cross_entropy(twin(self.neighbour.to(dtype)).float(), y).backward()
+        self._theirs = {n: p.grad for n, p in twin.named_parameters() if p.grad is not None}
 
     def _moved(self, t: torch.Tensor) -> torch.Tensor:
         u = torch.rand(t.shape, generator=self.generator, dtype=torch.float32) * 2 - 1
@@ -256,7 +280,11 @@ class _Perturbation:
         ]
 
     def gradient(self, name: str, grad: torch.Tensor) -> torch.Tensor:
-        return self._moved(grad) if self.how == "gradients" and self._chosen(name) else grad
+        if not self._chosen(name):
+            return grad
+        if self.how == "neighbour_gradients":
+            return self._theirs[name]
+        return self._moved(grad) if self.how == "gradients" else grad
 
     def weight(self, name: str, p: torch.Tensor) -> torch.Tensor:
         return self._moved(p) if self.how == "weights" and self._chosen(name) else p
@@ -310,7 +338,11 @@ def loss_spread(
       ``only`` (at least one);
     * ``gradients``: in every step before the last, the gradients (of the parameters
       whose names start with one of ``only``, all without it) before the update;
-    * ``weights``: the same parameters after each update but the last's.
+    * ``weights``: the same parameters after each update but the last's;
+    * ``neighbour_gradients``: in every step before the last, the gradients of the same
+      parameters are the ones torch has on the draw's neighbour of the batch (as
+      ``inputs``' draws), the rest of the step (its forward, the running statistics) on
+      the batch itself: which parameters' updates carry the last loss's move.
 
     How far the last step's loss moves says how much one fp16-sized difference in the
     steps before it can move that loss: a program that differs from torch fp32 by fp16's
@@ -339,11 +371,15 @@ def loss_spread(
         raise ValueError(f"{how}: no module or parameter of the model is named {unknown}")
     reference, _ = _torch_steps(net, x, y, steps, lr, dtype)
     results = []
-    if how == "inputs":
+    if how in ("inputs", "neighbour_gradients"):
         scale = size / fidelity.UNIT_ROUNDOFF
         for (moved,) in fidelity.neighbours((x,), draws + 1, seed)[1:]:
             batch = x + (moved - x) * scale if scale != 1.0 else moved
-            results.append(_torch_steps(net, batch, y, steps, lr, dtype)[0])
+            if how == "inputs":
+                results.append(_torch_steps(net, batch, y, steps, lr, dtype)[0])
+                continue
+            perturbation = _Perturbation(how, size, only, torch.Generator(), batch)
+            results.append(_torch_steps(net, x, y, steps, lr, dtype, perturbation)[0])
     else:
         for draw in range(draws):
             generator = torch.Generator().manual_seed(seed * 1_000_003 + draw)

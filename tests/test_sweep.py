@@ -263,3 +263,28 @@ def test_step_noise_sets_fp16s_gaps_over_the_neighbours_against_the_bounds():
     assert len(table) == 6 and table[-1].startswith(f"| 2 | {fp32[1]:.4f} |")
     with pytest.raises(ValueError, match="at least one neighbour"):
         sweep.step_noise(net, x, y, draws=1)
+
+
+def test_neighbour_gradients_update_with_the_gradients_of_a_neighbour_of_the_batch():
+    """The second loss under ``neighbour_gradients`` is the loss on the batch after an
+    update made with the neighbour's gradients (in the named parameters only)."""
+    from qnn_convbwd_dev import fidelity
+
+    net, x, y = _tiny()
+    (moved,) = fidelity.neighbours((x,), 2, seed=3)[1]
+    for only in ((), ("0",)):
+        spread = sweep.loss_spread(
+            net, x, y, "neighbour_gradients", steps=2, lr=0.1, draws=1, seed=3, only=only
+        )
+        theirs, ours = copy.deepcopy(net), copy.deepcopy(net)
+        torch.nn.functional.cross_entropy(theirs(moved), y).backward()
+        torch.nn.functional.cross_entropy(ours(x), y).backward()
+        grads = dict(theirs.named_parameters())
+        with torch.no_grad():
+            for name, p in ours.named_parameters():
+                taken = grads[name].grad if not only or name.startswith("0.") else p.grad
+                p.add_(taken, alpha=-0.1)
+        expected = float(torch.nn.functional.cross_entropy(ours(x), y))
+        assert spread.draws[0][1] == expected
+        assert spread.draws[0][0] == spread.reference[0]  # the first step's forward is the batch's
+        assert spread.draws[0][1] != spread.reference[1]

@@ -346,8 +346,11 @@ def loss_spread(
 
     How far the last step's loss moves says how much one fp16-sized difference in the
     steps before it can move that loss: a program that differs from torch fp32 by fp16's
-    roundings is one such draw."""
-    from qnn_convbwd_dev import fidelity
+    roundings is one such draw. The steps run on torch's pinned kernels
+    (``reference_kernels``: one thread; oneDNN as a fresh process has it in fp32, off in
+    fp16), so their numbers do not depend on the host's cores or on an earlier lowering.
+    """
+    from qnn_convbwd_dev import reference_kernels
 
     if how not in PERTURBATIONS:
         raise ValueError(f"unknown perturbation {how!r}: one of {', '.join(PERTURBATIONS)}")
@@ -369,6 +372,28 @@ def loss_spread(
     unknown = [o for o in only if not any(n == o or n.startswith(o + ".") for n in names)]
     if unknown:
         raise ValueError(f"{how}: no module or parameter of the model is named {unknown}")
+    kernels = (
+        reference_kernels.fp16_kernels() if dtype == torch.float16 else reference_kernels.pinned()
+    )
+    with kernels:
+        return _spread(net, x, y, how, steps, lr, draws, seed, only, size, dtype)
+
+
+def _spread(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    how: str,
+    steps: int,
+    lr: float,
+    draws: int,
+    seed: int,
+    only: tuple[str, ...],
+    size: float,
+    dtype: torch.dtype,
+) -> Spread:
+    from qnn_convbwd_dev import fidelity
+
     reference, _ = _torch_steps(net, x, y, steps, lr, dtype)
     results = []
     if how in ("inputs", "neighbour_gradients"):

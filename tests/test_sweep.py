@@ -12,7 +12,7 @@ import torch
 from qnn_convbwd.api import CpuOp
 from qnn_convbwd.partition import verdict
 from qnn_convbwd.torchvision_import import TorchvisionUnavailable
-from qnn_convbwd_dev import sweep
+from qnn_convbwd_dev import reference_kernels, sweep
 
 
 def test_every_named_rule_is_a_registered_rule():
@@ -184,7 +184,8 @@ def test_a_loss_spread_of_size_zero_is_the_reference_steps_to_the_bit(how):
     forward is moved: the batch or activations)."""
     net, x, y = _tiny()
     only = ("1",) if how == "activations" else ()
-    losses, _ = sweep._torch_steps(net, x, y, 3, 0.1, torch.float32)
+    with reference_kernels.pinned():
+        losses, _ = sweep._torch_steps(net, x, y, 3, 0.1, torch.float32)
     still = sweep.loss_spread(net, x, y, how, steps=3, lr=0.1, draws=3, only=only, size=0.0)
     assert still.reference == losses
     assert still.draws == [losses] * 3 and still.maximum(2) == 0.0
@@ -201,7 +202,8 @@ def test_the_inputs_spread_steps_on_fidelitys_neighbours():
     net, x, y = _tiny()
     spread = sweep.loss_spread(net, x, y, "inputs", steps=2, lr=0.1, draws=2, seed=5)
     batches = [b for (b,) in fidelity.neighbours((x,), 3, seed=5)]
-    expected = [sweep._torch_steps(net, b, y, 2, 0.1, torch.float32)[0] for b in batches]
+    with reference_kernels.pinned():
+        expected = [sweep._torch_steps(net, b, y, 2, 0.1, torch.float32)[0] for b in batches]
     assert [spread.losses(s) for s in (0, 1)] == [[e[s] for e in expected] for s in (0, 1)]
     assert spread.deviations(1) == [abs(e[1] - expected[0][1]) for e in expected[1:]]
 
@@ -246,9 +248,13 @@ def test_step_noise_sets_fp16s_gaps_over_the_neighbours_against_the_bounds():
     from qnn_convbwd_dev import step_floor
 
     net, x, y = _tiny()
+    threads = torch.get_num_threads()
     rows = sweep.step_noise(net, x, y, steps=2, lr=0.1, draws=4, seed=1)
-    fp32, _ = sweep._torch_steps(net, x, y, 2, 0.1, torch.float32)
-    fp16, _ = sweep._torch_steps(net, x, y, 2, 0.1, torch.float16)
+    assert torch.get_num_threads() == threads  # the caller's settings are back
+    with reference_kernels.pinned():
+        fp32, _ = sweep._torch_steps(net, x, y, 2, 0.1, torch.float32)
+    with reference_kernels.fp16_kernels():
+        fp16, _ = sweep._torch_steps(net, x, y, 2, 0.1, torch.float16)
     assert [r["fp32"] for r in rows] == fp32
     assert [r["fp16_gap"] for r in rows] == [abs(h - f) for h, f in zip(fp16, fp32)]
     spread = sweep.loss_spread(net, x, y, "inputs", steps=2, lr=0.1, draws=3, seed=1)
@@ -277,14 +283,15 @@ def test_neighbour_gradients_update_with_the_gradients_of_a_neighbour_of_the_bat
             net, x, y, "neighbour_gradients", steps=2, lr=0.1, draws=1, seed=3, only=only
         )
         theirs, ours = copy.deepcopy(net), copy.deepcopy(net)
-        torch.nn.functional.cross_entropy(theirs(moved), y).backward()
-        torch.nn.functional.cross_entropy(ours(x), y).backward()
-        grads = dict(theirs.named_parameters())
-        with torch.no_grad():
-            for name, p in ours.named_parameters():
-                taken = grads[name].grad if not only or name.startswith("0.") else p.grad
-                p.add_(taken, alpha=-0.1)
-        expected = float(torch.nn.functional.cross_entropy(ours(x), y))
+        with reference_kernels.pinned():
+            torch.nn.functional.cross_entropy(theirs(moved), y).backward()
+            torch.nn.functional.cross_entropy(ours(x), y).backward()
+            grads = dict(theirs.named_parameters())
+            with torch.no_grad():
+                for name, p in ours.named_parameters():
+                    taken = grads[name].grad if not only or name.startswith("0.") else p.grad
+                    p.add_(taken, alpha=-0.1)
+            expected = float(torch.nn.functional.cross_entropy(ours(x), y))
         assert spread.draws[0][1] == expected
         assert spread.draws[0][0] == spread.reference[0]  # the first step's forward is the batch's
         assert spread.draws[0][1] != spread.reference[1]

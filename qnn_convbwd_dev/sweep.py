@@ -199,8 +199,8 @@ def _torch_steps(
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """torch's losses over ``steps`` plain SGD steps of a copy of ``net`` in ``dtype`` on the
     batch ``(x, y)``, and the first step's gradients (fp32 copies). ``perturbation`` (see
-    ``loss_spread``) moves the batch, or in every step before the last the activations, the
-    gradients or the updated weights."""
+    ``loss_spread``), in every step before the last, moves activations, gradients or the
+    updated weights, or hands the update a neighbour's gradients."""
     model = copy.deepcopy(net).to(dtype)
     hooks = perturbation.install(model) if perturbation is not None else []
     losses: list[float] = []
@@ -256,7 +256,8 @@ class _Perturbation:
         untouched), for ``gradient`` to hand out."""
         if self.how != "neighbour_gradients":
             return
-        assert self.neighbour is not None
+        if self.neighbour is None:
+            raise ValueError("neighbour_gradients need the neighbour batch")
         twin = copy.deepcopy(model)
         twin.zero_grad(set_to_none=True)
         dtype = next(twin.parameters()).dtype

@@ -24,6 +24,12 @@ Every op kept on CPU is counted by rule and op, in three kinds (``kind``):
 
 ``markdown(rows)`` is the table of docs/results.md; ``rows`` go to JSON as they are.
 ``scripts/zoo_sweep.py`` is the command.
+
+How much one fp16 rounding can move a step's loss, in torch alone (nothing lowered):
+``loss_spread`` takes torch's steps with the batch, activations, gradients or updated
+weights moved by one fp16 rounding per element, ``step_noise`` sets torch fp32's
+spread over the batch's neighbours beside torch fp16's gaps and the one-draw and
+multi-draw bounds (``step_floor``); ``zoo_sweep.py --noise K`` prints it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import copy
 import dataclasses
 import json
 import logging
+import statistics
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -182,26 +189,229 @@ def count_on_cpu(on_cpu: Iterable[Any]) -> dict[str, dict[str, int]]:
 
 
 def _torch_steps(
-    net: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int, lr: float, dtype: torch.dtype
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    steps: int,
+    lr: float,
+    dtype: torch.dtype,
+    perturbation: _Perturbation | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """torch's losses over ``steps`` plain SGD steps of a copy of ``net`` in ``dtype`` on the
-    batch ``(x, y)``, and the first step's gradients (fp32 copies)."""
+    batch ``(x, y)``, and the first step's gradients (fp32 copies). ``perturbation`` (see
+    ``loss_spread``), in every step before the last, moves activations, gradients or the
+    updated weights, or hands the update a neighbour's gradients."""
     model = copy.deepcopy(net).to(dtype)
+    hooks = perturbation.install(model) if perturbation is not None else []
     losses: list[float] = []
     first: dict[str, torch.Tensor] = {}
     for index in range(steps):
+        last = index == steps - 1
+        if last:
+            for hook in hooks:
+                hook.remove()
+        if perturbation is not None and not last:
+            perturbation.before_step(model, y)
         model.zero_grad(set_to_none=True)
         loss = nn.functional.cross_entropy(model(x.to(dtype)).float(), y)
         loss.backward()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if p.grad is None:
                     continue
                 if index == 0:
                     first[name] = p.grad.float().clone()
-                p.add_(p.grad, alpha=-lr)
+                grad = p.grad
+                if perturbation is not None and not last:
+                    grad = perturbation.gradient(name, grad)
+                p.add_(grad, alpha=-lr)
+                if perturbation is not None and not last:
+                    p.copy_(perturbation.weight(name, p))
     return losses, first
+
+
+# What ``loss_spread`` moves by a relative ``size`` per element, and what it takes from
+# a neighbour of the batch.
+PERTURBATIONS = ("inputs", "activations", "gradients", "weights", "neighbour_gradients")
+
+
+@dataclasses.dataclass
+class _Perturbation:
+    """Every element of one kind of tensor times ``1 + u * size``, ``u`` uniform on
+    [-1, 1] from ``generator``; activations are the outputs of the modules ``only`` names,
+    gradients and weights those of the parameters whose names start with one of ``only``
+    (all without ``only``). ``neighbour_gradients``: those gradients are the ones the model
+    has on ``neighbour`` (a moved batch) instead."""
+
+    how: str
+    size: float
+    only: tuple[str, ...]
+    generator: torch.Generator
+    neighbour: torch.Tensor | None = None
+    _theirs: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def before_step(self, model: nn.Module, y: torch.Tensor) -> None:
+        """The gradients of a copy of ``model`` on ``neighbour`` (its running statistics
+        untouched), for ``gradient`` to hand out."""
+        if self.how != "neighbour_gradients":
+            return
+        if self.neighbour is None:
+            raise ValueError("neighbour_gradients need the neighbour batch")
+        twin = copy.deepcopy(model)
+        twin.zero_grad(set_to_none=True)
+        dtype = next(twin.parameters()).dtype
+        nn.functional.cross_entropy(twin(self.neighbour.to(dtype)).float(), y).backward()
+        self._theirs = {n: p.grad for n, p in twin.named_parameters() if p.grad is not None}
+
+    def _moved(self, t: torch.Tensor) -> torch.Tensor:
+        u = torch.rand(t.shape, generator=self.generator, dtype=torch.float32) * 2 - 1
+        return (t.float() * (1 + u * self.size)).to(t.dtype)
+
+    def _chosen(self, name: str) -> bool:
+        return not self.only or any(name == o or name.startswith(o + ".") for o in self.only)
+
+    def install(self, model: nn.Module) -> list[Any]:
+        if self.how != "activations":
+            return []
+        modules = dict(model.named_modules())
+        return [
+            modules[name].register_forward_hook(lambda _m, _i, out: self._moved(out))
+            for name in self.only
+        ]
+
+    def gradient(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        if not self._chosen(name):
+            return grad
+        if self.how == "neighbour_gradients":
+            return self._theirs[name]
+        return self._moved(grad) if self.how == "gradients" else grad
+
+    def weight(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        return self._moved(p) if self.how == "weights" and self._chosen(name) else p
+
+
+@dataclasses.dataclass(frozen=True)
+class Spread:
+    """torch's SGD losses, unperturbed (``reference``, one per step) and under ``len(draws)``
+    perturbations of kind ``how`` (``draws[k][step]``)."""
+
+    how: str
+    reference: list[float]
+    draws: list[list[float]]
+
+    def losses(self, step: int) -> list[float]:
+        """Step ``step``'s loss (0 the first), unperturbed first, then each draw's."""
+        return [self.reference[step], *(d[step] for d in self.draws)]
+
+    def deviations(self, step: int) -> list[float]:
+        """Each draw's ``|loss - unperturbed loss|`` at step ``step``."""
+        return [abs(d[step] - self.reference[step]) for d in self.draws]
+
+    def median(self, step: int) -> float:
+        return statistics.median(self.deviations(step))
+
+    def maximum(self, step: int) -> float:
+        return max(self.deviations(step))
+
+
+def loss_spread(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    how: str = "inputs",
+    *,
+    steps: int = 2,
+    lr: float = 0.01,
+    draws: int = 8,
+    seed: int = 0,
+    only: Sequence[str] = (),
+    size: float = 2.0**-11,
+    dtype: torch.dtype = torch.float32,
+) -> Spread:
+    """torch's losses over ``steps`` SGD steps (as the sweep's reference, ``_torch_steps``)
+    from ``net`` on ``(x, y)``, unperturbed and under ``draws`` seeded perturbations of
+    one fp16 rounding's size (``size``, relative, per element):
+
+    * ``inputs``: the batch is ``fidelity.neighbours(x, draws + 1, seed)``'s draws (every
+      step takes it; with ``size`` other than fp16's rounding the same, scaled);
+    * ``activations``: in every step before the last, the outputs of the modules named in
+      ``only`` (at least one);
+    * ``gradients``: in every step before the last, the gradients (of the parameters
+      whose names start with one of ``only``, all without it) before the update;
+    * ``weights``: the same parameters after each update but the last's;
+    * ``neighbour_gradients``: in every step before the last, the gradients of the same
+      parameters are the ones torch has on the draw's neighbour of the batch (as
+      ``inputs``' draws), the rest of the step (its forward, the running statistics) on
+      the batch itself: which parameters' updates carry the last loss's move.
+
+    How far the last step's loss moves says how much one fp16-sized difference in the
+    steps before it can move that loss: a program that differs from torch fp32 by fp16's
+    roundings is one such draw. The steps run on torch's pinned kernels
+    (``reference_kernels``: one thread; oneDNN as a fresh process has it in fp32, off in
+    fp16), so their numbers do not depend on the host's cores or on an earlier lowering.
+    """
+    from qnn_convbwd_dev import reference_kernels
+
+    if how not in PERTURBATIONS:
+        raise ValueError(f"unknown perturbation {how!r}: one of {', '.join(PERTURBATIONS)}")
+    if steps < (1 if how == "inputs" else 2):
+        raise ValueError(f"{how} are perturbed before the last step: need 2 steps, got {steps}")
+    if draws < 1:
+        raise ValueError(f"draws must be at least 1, got {draws}")
+    only = tuple(only)
+    if how == "activations":
+        if not only:
+            raise ValueError("activations: name the modules whose outputs move (only=...)")
+        names = {n for n, _ in net.named_modules()}
+    elif how == "inputs":
+        if only:
+            raise ValueError(f"inputs move the whole batch, not {only}")
+        names = set()
+    else:
+        names = {n for n, _ in net.named_parameters()}
+    unknown = [o for o in only if not any(n == o or n.startswith(o + ".") for n in names)]
+    if unknown:
+        raise ValueError(f"{how}: no module or parameter of the model is named {unknown}")
+    kernels = (
+        reference_kernels.fp16_kernels() if dtype == torch.float16 else reference_kernels.pinned()
+    )
+    with kernels:
+        return _spread(net, x, y, how, steps, lr, draws, seed, only, size, dtype)
+
+
+def _spread(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    how: str,
+    steps: int,
+    lr: float,
+    draws: int,
+    seed: int,
+    only: tuple[str, ...],
+    size: float,
+    dtype: torch.dtype,
+) -> Spread:
+    from qnn_convbwd_dev import fidelity
+
+    reference, _ = _torch_steps(net, x, y, steps, lr, dtype)
+    results = []
+    if how in ("inputs", "neighbour_gradients"):
+        scale = size / fidelity.UNIT_ROUNDOFF
+        for (moved,) in fidelity.neighbours((x,), draws + 1, seed)[1:]:
+            batch = x + (moved - x) * scale if scale != 1.0 else moved
+            if how == "inputs":
+                results.append(_torch_steps(net, batch, y, steps, lr, dtype)[0])
+                continue
+            perturbation = _Perturbation(how, size, only, torch.Generator(), batch)
+            results.append(_torch_steps(net, x, y, steps, lr, dtype, perturbation)[0])
+    else:
+        for draw in range(draws):
+            generator = torch.Generator().manual_seed(seed * 1_000_003 + draw)
+            perturbation = _Perturbation(how, size, only, generator)
+            results.append(_torch_steps(net, x, y, steps, lr, dtype, perturbation)[0])
+    return Spread(how, reference, results)
 
 
 def _steps(
@@ -253,6 +463,71 @@ def _steps(
             torch.tensor([e / max(f, 1e-12) for e, f in errors.values()]).median()
         ),
     }
+
+
+def step_noise(
+    net: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    steps: int = 2,
+    lr: float = 0.01,
+    draws: int = 16,
+    seed: int = 0,
+) -> list[dict[str, float]]:
+    """Per step, how far fp16-sized differences move torch's loss, over the batch and its
+    ``draws - 1`` neighbours (``loss_spread``'s ``inputs``, in fp32 and in fp16): torch
+    fp32's loss on the batch (``fp32``) and how far its neighbours' move from it (median
+    and largest), torch fp16's gap to fp32 on each draw (median, smallest, largest; the
+    batch's own is ``fp16_gap``), the one-draw bound that gap sets, the multi-draw bound
+    (``step_floor.loss_verdict``) and ``step_floor.fp16_pass_fraction``."""
+    from qnn_convbwd_dev import step_floor
+
+    if draws < 2:
+        raise ValueError(f"step noise needs the batch and at least one neighbour: {draws}")
+    fp32 = loss_spread(net, x, y, "inputs", steps=steps, lr=lr, draws=draws - 1, seed=seed)
+    fp16 = loss_spread(
+        net, x, y, "inputs", steps=steps, lr=lr, draws=draws - 1, seed=seed, dtype=torch.float16
+    )
+    rows = []
+    for step in range(steps):
+        theirs, half = fp32.losses(step), fp16.losses(step)
+        gaps = [abs(h - r) for h, r in zip(half, theirs)]
+        verdict = step_floor.loss_verdict(half, theirs, half)
+        rows.append(
+            {
+                "fp32": theirs[0],
+                "fp32_median": fp32.median(step),
+                "fp32_max": fp32.maximum(step),
+                "fp16_gap": gaps[0],
+                "fp16_median": verdict.floor,
+                "fp16_min": min(gaps),
+                "fp16_max": max(gaps),
+                "one_draw_bound": step_floor.loss_bound(theirs[0], gaps[0]),
+                "bound": verdict.bound,
+                "pass_fraction": step_floor.fp16_pass_fraction(theirs, half),
+            }
+        )
+    return rows
+
+
+def noise_markdown(arch: str, rows: Sequence[dict[str, float]]) -> str:
+    """``step_noise``'s rows as a table, one line per step."""
+    lines = [
+        f"{arch}: torch's losses over the batch and its fp16 neighbours",
+        "",
+        "| step | torch fp32 | fp32 moved: median / max | torch fp16 gap: batch, median "
+        "(min-max) | bound: one draw / multi-draw | fp16 passes one draw |",
+        "|---|---|---|---|---|---|",
+    ]
+    for index, r in enumerate(rows, start=1):
+        lines.append(
+            f"| {index} | {r['fp32']:.4f} | {r['fp32_median']:.4f} / {r['fp32_max']:.4f} | "
+            f"{r['fp16_gap']:.4f}, {r['fp16_median']:.4f} ({r['fp16_min']:.4f}-"
+            f"{r['fp16_max']:.4f}) | {r['one_draw_bound']:.4f} / {r['bound']:.4f} | "
+            f"{r['pass_fraction']:.0%} |"
+        )
+    return "\n".join(lines)
 
 
 def sweep_one(

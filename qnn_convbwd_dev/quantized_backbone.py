@@ -141,20 +141,21 @@ def quantized_model(
     mode: str = "split",
     seed: int = 0,
     train_head: bool = False,
+    trained: bool = False,
 ) -> nn.Module:
-    """``float_model(arch, seed)``, its backbone quantized with ``dtype`` and calibrated on
-    seeded batches, its head float and trainable, in eval() (no dropout) or with
-    ``train_head`` in train() (split only). Only the head's parameters require a
-    gradient."""
+    """``float_model(arch, seed, trained)``, its backbone quantized with ``dtype`` and
+    calibrated on ``calibration_batches(seed, trained)``, its head float and trainable, in
+    eval() (no dropout) or with ``train_head`` in train() (split only). Only the head's
+    parameters require a gradient."""
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     from qnn_convbwd import finetune
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}: one of {', '.join(MODES)}")
-    net = float_model(arch, seed)
+    net = float_model(arch, seed, trained)
     top = _head(net)
-    batches = calibration_batches(seed)
+    batches = calibration_batches(seed, trained)
     if mode == "split":
         model = quantized.quantize_backbone(net, finetune.head(net), dtype, batches)
         return model.train(train_head)
@@ -182,10 +183,10 @@ def quantized_cifar(
     return quantized_model("cifar", dtype, mode, seed, train_head)
 
 
-def float_split(arch: str = "cifar", seed: int = 0) -> nn.Module:
+def float_split(arch: str = "cifar", seed: int = 0, trained: bool = False) -> nn.Module:
     """The same model unquantized (``float_model``), its head alone trainable: what the
     quantized program is compared with for its weight bytes."""
-    net = float_model(arch, seed)
+    net = float_model(arch, seed, trained)
     top = _head(net)
     for name, parameter in net.named_parameters():
         parameter.requires_grad_(name.startswith(top + "."))
@@ -389,6 +390,7 @@ class Measurement:
     # |torch's loss on the converted model - torch's on the float model|, first batch,
     # before training: the size of the quantization's own effect on the loss.
     quantization_loss_gap: float | None = None
+    trained: bool = False  # the model trained on the digits, stepped on digits
 
     @property
     def within_bound(self) -> bool:
@@ -406,13 +408,16 @@ def measure(
     lr: float | None = None,
     train_head: bool = False,
     compare_float: bool = False,
+    trained: bool = False,
 ) -> Measurement:
     """Quantize, lower for training (the context and lowering caches off) and step
     ``steps`` times beside torch; with ``compare_float`` also lower the same model
     unquantized (``float_split``) for its static and context bytes. With ``train_head``
-    torch draws its own dropout masks: the losses are not comparable step by step."""
-    model = quantized_model(arch, dtype, mode, train_head=train_head)
-    data = batches(steps + 1)
+    torch draws its own dropout masks: the losses are not comparable step by step. With
+    ``trained``: the model trained on the digits (``trained_model``), calibrated on the
+    digits' training split and stepped on batches of its test split."""
+    model = quantized_model(arch, dtype, mode, train_head=train_head, trained=trained)
+    data = batches(steps + 1, trained=trained)
     lowered = lower(model, data[0], soc, fp16)
     steps_done = train_both(model, lowered.program, data[1:], lr or LR[arch])
     measured = Measurement(
@@ -434,16 +439,17 @@ def measure(
         static_bytes=lowered.static_bytes,
         int8_weight_bytes=sum(w.numel() for w in int8_weights(model).values()),
         qnn_ops=dict(lowered.qnn_ops.most_common()),
+        trained=trained,
     )
     del lowered
     if mode == "split" and not train_head:
         x, y = data[1]
         with torch.no_grad():
-            unquantized = nn.functional.cross_entropy(float_model(arch)(x), y).item()
+            unquantized = nn.functional.cross_entropy(float_model(arch, 0, trained)(x), y).item()
             converted = nn.functional.cross_entropy(model(x), y).item()
         measured.quantization_loss_gap = abs(converted - unquantized)
     if compare_float:
-        reference = lower(float_split(arch), data[0], soc, fp16)
+        reference = lower(float_split(arch, 0, trained), data[0], soc, fp16)
         measured.float_static_bytes = reference.static_bytes
         measured.float_context_bytes = reference.context_bytes
         measured.float_lower_seconds = reference.lower_seconds
@@ -459,9 +465,10 @@ def markdown_row(m: Measurement) -> str:
     steps = ", ".join(f"{s:.2f}" for s in m.step_seconds)
     specs = "fp16" if m.fp16 else "fp32"
     mode = f"{m.mode}, head in train()" if m.train_head else m.mode
+    arch = f"{m.arch} (trained on digits)" if m.trained else m.arch
     on_cpu = ", ".join(f"{rule} {count}" for rule, count in m.on_cpu.items()) or "0"
     return (
-        f"| {m.arch} | {mode} | {m.dtype} | {m.soc} ({specs}) | {m.delegates} | {on_cpu} | "
+        f"| {arch} | {mode} | {m.dtype} | {m.soc} ({specs}) | {m.delegates} | {on_cpu} | "
         f"{m.lower_seconds:.1f} | {steps} | {gaps} | {m.int8_weight_bytes:,} | "
         f"{m.static_bytes:,} | {_bytes(m.float_static_bytes)} | {m.context_bytes:,} | "
         f"{_bytes(m.float_context_bytes)} | {m.pte_bytes:,} |"

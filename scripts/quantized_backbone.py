@@ -51,13 +51,13 @@ def main() -> None:
     parser.add_argument(
         "--trained",
         action="store_true",
-        help="with --forward: the model trained on the digits (quantized_backbone."
-        "trained_model), calibrated and run on digits",
+        help="the model trained on the digits (quantized_backbone.trained_model), "
+        "calibrated on the digits' training split and run on its test split",
     )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if (args.torch_only or args.trained) and args.forward is None:
-        parser.error("--torch-only and --trained go with --forward")
+    if args.torch_only and args.forward is None:
+        parser.error("--torch-only goes with --forward")
     if args.forward is not None and args.torch_only:
         print("| model | weights | quantization | blocks | torch vs float |\n|---|---|---|---|---|")
         for arch in args.models:
@@ -96,6 +96,7 @@ def main() -> None:
                             steps=args.steps,
                             train_head=args.train_head,
                             compare_float=args.compare_float,
+                            trained=args.trained,
                         )
                     except Exception:  # one configuration failing does not stop the others
                         print(f"{arch} {mode} {dtype} {soc}: failed", flush=True)

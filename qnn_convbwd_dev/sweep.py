@@ -420,8 +420,9 @@ def _steps(
     """``steps`` SGD steps of ``program`` through ``TrainingSession`` on the batch ``(x, y)``
     against torch's fp32 and fp16 (``.half()``) steps from ``net``'s weights: each loss
     against its bound (``step_floor.loss_bound``), and the first step's gradients against
-    torch fp32's, beside torch fp16's own error."""
-    from qnn_convbwd_dev import step_floor
+    torch fp32's, beside torch fp16's own error. Torch's steps run on the pinned kernels
+    (``reference_kernels``)."""
+    from qnn_convbwd_dev import reference_kernels, step_floor
 
     session = program.session(lr=lr)
     losses, seconds = [], []
@@ -435,8 +436,12 @@ def _steps(
             seconds.append(time.perf_counter() - start)
     finally:
         session.close()
-    fp32, reference = _torch_steps(net, x, y, steps, lr, torch.float32)
-    fp16, half = _torch_steps(net, x, y, steps, lr, torch.float16)
+    # Torch's steps on the pinned kernels: a lowering changes the process's oneDNN
+    # setting, and the hypersensitive rows' losses move with the kernels.
+    with reference_kernels.pinned():
+        fp32, reference = _torch_steps(net, x, y, steps, lr, torch.float32)
+    with reference_kernels.fp16_kernels():
+        fp16, half = _torch_steps(net, x, y, steps, lr, torch.float16)
     bounds = [step_floor.loss_bound(a, b - a) for a, b in zip(fp32, fp16)]
     errors = {}
     for name, grad in reference.items():

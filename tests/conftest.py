@@ -193,3 +193,29 @@ def cifar_on_sm8650(qnn_sdk):
         return case, program, harness.lower_program(copy.deepcopy(program), "SM8650")
 
     return lowered
+
+
+@pytest.fixture(scope="session")
+def demo_on_sm8650(qnn_sdk):
+    """``lowered(trainable)``: the demo adapter case (``models.adapter_case("demo")``)
+    lowered for SM8650 with the default options, its QNN graphs captured, once per scheme
+    and session: (case, lowering, QNN graphs, delegate inputs, .pte), the delegate inputs
+    as test_training's ``delegate_inputs`` reads them before ``to_executorch`` renames the
+    nodes. test_training checks and trains both, test_weight_layout compares the
+    trainable one with its lowering in torch's layout."""
+    import test_training
+
+    from qnn_convbwd import integration, lower
+    from qnn_convbwd.toolchain import harness
+    from qnn_convbwd_dev import models
+
+    @functools.cache
+    def lowered(trainable: bool):
+        case = models.adapter_case("demo", trainable=trainable)
+        with integration.capture_qnn_graphs() as graphs:
+            result = lower(case.joint(), harness.compile_specs("SM8650"))
+        inputs = test_training.delegate_inputs(result.edge)
+        pte = result.edge.to_executorch().buffer
+        return case, result, graphs, inputs, pte
+
+    return lowered

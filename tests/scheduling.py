@@ -20,13 +20,14 @@ from pathlib import Path
 import pytest
 
 # Modules whose tests read the same session fixture or cached graph: the resnet18
-# bias-only lowering, the CIFAR lowerings, the SiLU block's edge program, the finished
-# finetune run.
+# bias-only lowering, the CIFAR and demo lowerings, the SiLU block's edge program, the
+# finished finetune run.
 SHARED_GROUPS = {
     "test_zoo": "resnet18_bias_only",
     "test_max_pool_zoo": "resnet18_bias_only",
-    "test_max_pool_forward": "cifar_on_sm8650",
-    "test_training": "cifar_on_sm8650",
+    "test_max_pool_forward": "cifar_and_demo_on_sm8650",
+    "test_training": "cifar_and_demo_on_sm8650",
+    "test_weight_layout": "cifar_and_demo_on_sm8650",
     "test_sigmoid": "silu_block",
     "test_distribute_mul": "silu_block",
     "test_finetune_tool": "finetune_run",

@@ -200,12 +200,12 @@ def test_a_trained_pair_is_folded_only_where_that_saves_work(caplog):
 
 
 def test_fold_batch_norms_rejects_an_unknown_fold_trained():
+    """The value is checked before anything else: a traced pair and no program."""
     from qnn_convbwd.passes.conv_batch_norm import fold_batch_norms
 
-    graph = nm.bn_training_graph(train="bias", backbone_fn=_narrow_then_wide)
-    edge = _edge(graph.program)
+    traced = torch.fx.symbolic_trace(_narrow_then_wide().eval())
     with pytest.raises(ValueError, match="fold_trained=True"):
-        fold_batch_norms(edge.graph_module, edge, fold_trained=True)
+        fold_batch_norms(traced, None, fold_trained=True)
 
 
 @pytest.mark.parametrize(

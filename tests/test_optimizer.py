@@ -449,8 +449,9 @@ def test_a_frozen_eval_batch_norm_trains_like_torch(case, qnn_sdk):
     into constants; the buffers the program writes (the optimizer's step count and
     state, the head's parameters, with ``-affine`` the batch norm's weight and bias)
     stay run-time values and start from the model's: the program lowers, and each
-    step's loss, the parameters and the optimizer state follow torch.optim."""
-    optimizer = training.AdamW(0.01) if case == "adamw" else training.SGD(0.05, momentum=0.9)
+    step's loss, the parameters and the optimizer state follow torch.optim. The SGD
+    cases use Nesterov momentum and weight decay, so their update is checked too."""
+    optimizer = training.AdamW(0.01) if case == "adamw" else SGD_CASES["nesterov"]
     model, program, session, reference, torch_optimizer, losses = _frozen_eval_bn_steps(
         optimizer, "SM8350", affine_trains=case.endswith("-affine")
     )

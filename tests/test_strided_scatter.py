@@ -231,8 +231,9 @@ def test_the_heads_joint_graph_computes_the_same_after_the_rewrite_in_float64():
 
 
 def test_the_head_trains_on_htp_next_to_torch(qnn_sdk):
-    """Loss and every gradient within twice torch fp16's own error (relative L2) plus
-    1e-3; no scatter, no full and no view of the head on CPU."""
+    """The joint graph holds a covering scatter; lowered, loss and every gradient within
+    twice torch fp16's own error (relative L2) plus 1e-3; no scatter, no full and no
+    view of the head on CPU."""
     from qnn_convbwd.toolchain import harness
     from qnn_convbwd_dev import fidelity
 
@@ -240,6 +241,7 @@ def test_the_head_trains_on_htp_next_to_torch(qnn_sdk):
     net = PooledHead()
     x, y = torch.randn(4, 3, 3, 3), torch.tensor([0, 1, 2, 4])
     joint = _joint(net, x, y)
+    assert any("as_strided_scatter" in str(n.target) for n in joint.graph.nodes)
     compiled = harness.lower_program(joint, "SM8650")
     on_cpu = [
         str(n.target)

@@ -57,12 +57,11 @@ def delegate_inputs(edge) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module", params=["frozen", "trainable"])
-def demo(request, qnn_sdk):
-    case = models.adapter_case("demo", trainable=request.param == "trainable")
-    result, graphs = lower(case)
-    inputs = delegate_inputs(result.edge)  # before to_executorch renames the graph's nodes
-    program = result.edge.to_executorch()
-    return case, inputs, graphs, program.buffer
+def demo(request, demo_on_sm8650):
+    """The demo lowered for SM8650 (conftest's ``demo_on_sm8650``, shared with
+    test_weight_layout): (case, delegate inputs, QNN graphs, .pte)."""
+    case, _, graphs, inputs, pte = demo_on_sm8650(request.param == "trainable")
+    return case, inputs, graphs, pte
 
 
 def test_trainable_parameters_are_delegate_inputs(demo):

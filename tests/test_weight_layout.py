@@ -32,9 +32,11 @@ def _lower(case: models.TrainingCase, layout: str):
 
 
 @pytest.fixture(scope="module")
-def demo(qnn_sdk):
-    case = models.adapter_case("demo", trainable=True)
-    return case, {layout: _lower(case, layout) for layout in LAYOUTS}
+def demo(demo_on_sm8650):
+    """The trainable demo lowered in both layouts: the filter layout is the default, so
+    that lowering is conftest's ``demo_on_sm8650``, shared with test_training."""
+    case, result, graphs, _, pte = demo_on_sm8650(True)
+    return case, {"hwio": (result, graphs, pte), "torch": _lower(case, "torch")}
 
 
 def _conv_weights(case: models.TrainingCase) -> dict[str, torch.Tensor]:

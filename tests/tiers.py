@@ -20,6 +20,10 @@ def sweep(default: Iterable, more: Iterable, reason: str = ANOTHER_ARCH) -> list
     return [*default, *(pytest.param(value, marks=slow) for value in more)]
 
 
+# A strict xfail showing a defect of the QAIRT the plugin works around: it fails (XPASS)
+# once QAIRT computes the case right, which only a QAIRT upgrade changes.
+CANARY = "a canary on a QAIRT 2.51 defect, which only a QAIRT upgrade changes; "
+
 # Long checks that run only with --slow, to keep the default tier within its time
 # budget. Each names the default-tier check that covers the same code path, or what
 # the check adds beyond it (tests/test_tiers.py checks that each names a test).
@@ -32,8 +36,9 @@ LONG: dict[str, str] = {
         "the developer fidelity command's printout of a lowered step"
     ),
     "tests/test_numerics.py::test_mobilenet_like_batch_norm_training_step_is_within_fidelity[affine]": (  # noqa: E501
-        "a MobileNet-like train-mode step; test_train_mode steps train-mode batch norms "
-        "against torch"
+        "a MobileNet-like train-mode step; test_train_mode steps the rewritten train-mode "
+        "batch norms against torch and test_state_dict's test_htp_steps_track_torch "
+        "lowered ones on the simulator"
     ),
     "tests/test_numerics.py::test_loss_scale_recovers_gradients_that_underflow_in_fp16": (
         "a numerics demonstration; the in-program loss scale is tested in test_optimizer"
@@ -41,14 +46,22 @@ LONG: dict[str, str] = {
     "tests/test_numerics.py::test_mobilenet_like_inference_at_1x1_and_2x2_spatial": (
         "inference fidelity at tiny maps; the canaries step MobileNets"
     ),
+    "tests/test_train_mode.py::test_train_mode_batch_norm_trains_in_one_delegate[conv_bn]": (
+        "train-mode batch norms lowered for SM8650 and stepped; test_state_dict's "
+        "test_htp_steps_track_torch steps two in one delegate on the simulator and checks "
+        "losses, parameters and running statistics against torch"
+    ),
     "tests/test_train_mode.py::test_train_mode_batch_norm_trains_in_one_delegate[residual]": (
-        "the residual variant; conv_bn runs the same lowering"
+        "the residual variant; test_state_dict's test_htp_steps_track_torch runs the same "
+        "lowering of train-mode batch norms"
     ),
     "tests/test_train_mode.py::test_train_mode_batch_norm_trains_in_one_delegate[bn1d]": (
-        "the 1-D variant; conv_bn runs the same lowering"
+        "the 1-D variant; test_state_dict's test_htp_steps_track_torch runs the same "
+        "lowering of train-mode batch norms"
     ),
     "tests/test_train_mode.py::test_train_mode_batch_norm_trains_with_weights_in_torch_layout[residual]": (  # noqa: E501
-        "the residual variant; conv_bn runs the same lowering"
+        "the residual variant of the torch layout; test_weight_layout lowers and runs the "
+        "torch layout"
     ),
     "tests/test_train_mode.py::test_stock_flow_lowers_train_mode_batch_norm": (
         "the stock flow; test_training trains through it after enable()"
@@ -193,9 +206,17 @@ LONG: dict[str, str] = {
         "dicts to the bit"
     ),
     "tests/test_cpu1d.py::test_skip_options_keep_1d_nodes_on_cpu[op]": (
-        "every 1-D convolution backward kept on CPU by the op skip; [id] keeps one there "
-        "by the skip options and test_v68_runs_every_1d_node_on_cpu_as_2d runs them all on "
-        "CPU as 2-D"
+        "every 1-D convolution backward kept on CPU by the op skip; "
+        "test_v68_runs_every_1d_node_on_cpu_as_2d runs them all on CPU as 2-D, and "
+        "test_core's test_skip_options_keep_every_node_on_cpu_and_the_program_runs keeps "
+        "every node on CPU by the op skip"
+    ),
+    "tests/test_cpu1d.py::test_skip_options_keep_1d_nodes_on_cpu[id]": (
+        "a 1-D node kept on CPU by its id beside delegated ones; test_core's "
+        "test_skip_node_id_set_keeps_the_named_node_though_a_split_renumbers_nodes keeps "
+        "the named node after the renumbering, test_gates's "
+        "test_variant[conv1d_float64_all_gradients] runs a 1-D node kept on CPU for SM8650 "
+        "as 2-D, and test_v68_runs_every_1d_node_on_cpu_as_2d lifts every 1-D node"
     ),
     "tests/test_core.py::test_frozen_backbone_training_graph[stride2_block-10]": (
         "the strided block at an even size; [stride2_block-9] runs the same check on it"
@@ -269,5 +290,78 @@ LONG: dict[str, str] = {
     ),
     "tests/test_distribute_mul.py::test_distributed_product_is_at_the_fp16_floor[SM8850]": (
         "the same check on V81; [SM8650] runs it on V75"
+    ),
+    "tests/test_train_mode.py::test_v68_trains_train_mode_batch_norm_on_cpu": (
+        "train-mode batch norms stepped on V68's CPU kernels; test_state_dict's "
+        "test_cpu_steps_match_torch_sgd steps a V68 program of two train-mode batch norms "
+        "with executorch's SGD and checks losses and running statistics against torch"
+    ),
+    "tests/test_train_mode.py::test_rewritten_program_steps_as_torch_eager[bn1d_cumulative]": (
+        "a 1-D cumulative average; [bn1d] rewrites the 1-D batch norms and "
+        "[bn2d_cumulative] the cumulative average"
+    ),
+    "tests/test_context_cache.py::test_a_corrupt_entry_is_compiled_again": (
+        "a lowering over a corrupt entry; test_a_bad_entry_is_detected_logged_and_deleted "
+        "checks the detection and test_a_changed_static_weight_compiles_again a compile "
+        "where no entry is taken"
+    ),
+    "tests/test_max_pool.py::test_training_graph_pool_backward_kept_on_cpu_is_right[v68]": (
+        "the V68 rule keeping the pool backward on CPU; [skip_op] runs the same rewritten "
+        "backward on CPU against torch, and test_verdicts's "
+        "test_the_rule_is_the_verdict[graph:training_graph_below_v69] checks the rule"
+    ),
+    "tests/test_max_pool_forward.py::test_v68_keeps_the_forward_on_cpu": (
+        "the V68 rule keeping the forward pools on CPU; test_backward_kept_on_cpu_keeps_"
+        "the_forward_on_cpu keeps the same graph's pools on CPU and checks the step, and "
+        "test_verdicts's [graph:training_graph_below_v69] checks the rule"
+    ),
+    "tests/test_full_backward.py::test_split_keeps_each_gradient_in_its_own_node": (
+        "one node asking for every gradient; test_weight_bias_and_dilated_gradients_match_"
+        "aten[SM8850] lowers such nodes (CONFIGS[0] among them) and checks each output"
+    ),
+    "tests/test_conv_batch_norm.py::test_folded_bias_only_step_is_one_delegate_and_within_fidelity": (  # noqa: E501
+        "a folded bias-only step's fidelity; test_a_folded_program_trains_with_executorchs_"
+        "training_runtime lowers a folded bias-only program to one delegate and trains it "
+        "beside torch, and test_frozen_pairs_fold_and_grad_input_reads_the_folded_weight "
+        "folds this graph"
+    ),
+    "tests/test_optimizer.py::test_sgd_follows_torch_and_equals_executorchs_sgd[nesterov]": (
+        "two CPU lowerings, to compare the in-program SGD with executorch's SGD to the bit; "
+        "test_a_frozen_eval_batch_norm_trains_like_torch[sgd] checks the in-program SGD "
+        "with Nesterov momentum and weight decay against torch.optim"
+    ),
+    "tests/test_strided_scatter.py::test_the_heads_joint_graph_holds_a_covering_scatter_that_decide_delegates": (  # noqa: E501
+        "decide() on the head's joint graph; test_the_head_trains_on_htp_next_to_torch "
+        "checks that the same graph holds a covering scatter and lowers it with no scatter "
+        "on CPU"
+    ),
+    "tests/test_hardswish.py::test_qnn_hardswish_decomposition_is_at_the_fp16_floor": (
+        CANARY + "test_centred_hard_activations_are_at_the_fp16_floor checks the centred rewrite "
+        "that avoids it"
+    ),
+    "tests/test_scalar_constants.py::test_qnn_multiplication_by_a_sixth_is_unbiased": (
+        CANARY + "test_paired_constants_are_unbiased_on_the_htp checks the paired constants that "
+        "avoid it"
+    ),
+    "tests/test_distribute_mul.py::test_qnn_product_of_a_constant_sum_is_unbiased": (
+        CANARY + "test_distributed_product_is_at_the_fp16_floor[SM8650] checks the distributed "
+        "product that avoids it"
+    ),
+    "tests/test_sigmoid.py::test_qnn_sigmoid_is_at_the_fp16_floor": (
+        CANARY
+        + "test_plugin_sigmoid_is_at_the_fp16_floor[SM8850] checks the tanh form that avoids "
+        "it"
+    ),
+    "tests/test_padding_defect.py::test_executorch_lowers_a_convolution_whose_padding_reaches_its_kernel_right": (  # noqa: E501
+        CANARY + "test_a_forward_convolution_whose_padding_reaches_its_kernel_stays_on_cpu checks "
+        "the rule that avoids it"
+    ),
+    "tests/test_max_pool.py::test_scatter_add_formulation_compiles_on_htp": (
+        CANARY + "the pool backward's default formulation is lowered and checked by "
+        "test_training_graph_pool_backward_on_htp"
+    ),
+    "tests/test_max_pool_forward.py::test_executorch_lowers_a_padded_two_by_two_max_pool_right": (
+        CANARY + "test_values_only_padded_pool_matches_torch checks the Maximum chain that "
+        "avoids it"
     ),
 }

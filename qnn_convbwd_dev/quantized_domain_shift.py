@@ -79,6 +79,33 @@ def pretrain(
     return net.eval()
 
 
+def _build(
+    split: finetune.Split,
+    scheme: str,
+    quantization: str,
+    batch: int,
+    pretrain_epochs: int,
+    pretrain_samples: int | None,
+    calibration_batches: int,
+    seed: int,
+) -> tuple[nn.Module, nn.Module]:
+    """The pretrained float model with ``scheme`` applied, and its quantized copy.
+
+    The pretraining runs with torch's MKLDNN backend on (when available), the setting a
+    fresh process starts with: executorch's Qualcomm backend turns it off for the rest
+    of the process on an AMD host once a quantizer or a lowering starts, and the
+    convolutions' other fp32 arithmetic, over 3 epochs, gives other weights; with it
+    pinned, a model built after another in one process is the one a fresh process
+    builds."""
+    with torch.backends.mkldnn.flags(enabled=torch.backends.mkldnn.is_available()):
+        net = pretrain(split, epochs=pretrain_epochs, seed=seed, samples=pretrain_samples)
+    net = finetune.apply_scheme(net, scheme)
+    model, _ = finetune.quantize_for_fit(
+        copy.deepcopy(net), split.train, batch, quantization, calibration_batches, seed
+    )
+    return net, model
+
+
 @dataclasses.dataclass(frozen=True)
 class Protocol:
     """How a scheme fine-tunes: ``head_epochs`` epochs of the head alone first (SGD at
@@ -206,12 +233,11 @@ def run(
         raise ValueError("the head scheme has no warm start of the head alone: head_epochs 0")
     split = finetune.digits(32, seed)
     start = time.perf_counter()
-    net = pretrain(split, epochs=pretrain_epochs, seed=seed, samples=pretrain_samples)
+    net, model = _build(
+        split, scheme, quantization, batch, pretrain_epochs, pretrain_samples,
+        calibration_batches, seed,
+    )  # fmt: skip
     pretrain_seconds = time.perf_counter() - start
-    net = finetune.apply_scheme(net, scheme)
-    model, _ = finetune.quantize_for_fit(
-        copy.deepcopy(net), split.train, batch, quantization, calibration_batches, seed
-    )
     moved = shifted(split, shift)
     common = dict(soc=soc, batch=batch, seed=seed, cpu_only=cpu_only, train_mode=False)
     phases: list[Phase] = []
@@ -263,9 +289,8 @@ def prepared(
     """``run``'s quantized model (``scheme`` applied before quantizing) and the shifted
     split."""
     split = finetune.digits(32, seed)
-    net = finetune.apply_scheme(pretrain(split, epochs=pretrain_epochs, seed=seed), scheme)
-    model, _ = finetune.quantize_for_fit(
-        copy.deepcopy(net), split.train, batch, quantization, calibration_batches, seed
+    _, model = _build(
+        split, scheme, quantization, batch, pretrain_epochs, None, calibration_batches, seed
     )
     return model, shifted(split, shift)
 

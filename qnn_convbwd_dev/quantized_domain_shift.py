@@ -342,6 +342,7 @@ def torch_spread(
     seeds: tuple[int, ...] = (0, 1, 2),
     steps: int | None = None,
     epochs: int | None = 1,
+    batch: int = 16,
     pretrain_epochs: int = 3,
 ) -> list[tuple[int, float, float]]:
     """How much the fine-tune's outcome depends on fp32 rounding: per seed, torch's
@@ -350,9 +351,11 @@ def torch_spread(
     protocol = protocol or PROTOCOLS[scheme]
     found = []
     for seed in seeds:
-        model, moved = prepared(shift, scheme, pretrain_epochs=pretrain_epochs, seed=seed)
+        model, moved = prepared(
+            shift, scheme, batch=batch, pretrain_epochs=pretrain_epochs, seed=seed
+        )
         nudged = finetune.Split((one_ulp_up(moved.train[0]), moved.train[1]), moved.test)
-        run_args = dict(steps=steps, epochs=epochs, seed=seed)
+        run_args = dict(steps=steps, epochs=epochs, batch=batch, seed=seed)
         as_is, _ = torch_fine_tune(model, moved, scheme, protocol, **run_args)
         other, _ = torch_fine_tune(model, nudged, scheme, protocol, **run_args)
         found.append((seed, as_is, other))

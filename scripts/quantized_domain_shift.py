@@ -67,6 +67,7 @@ def main() -> None:
             tuple(args.torch_spread),
             steps=args.steps,
             epochs=args.epochs,
+            batch=args.batch,
             pretrain_epochs=args.pretrain_epochs,
         ):
             print(

@@ -602,6 +602,7 @@ def fit(
     external_weights: bool = False,
     quantize: str | None = None,
     calibration_batches: int = CALIBRATION_BATCHES,
+    torch_start: dict[str, torch.Tensor] | None = None,
 ) -> FitResult:
     """Train a copy of ``model`` (cross-entropy) through the lowered program and, on the
     same batches, an fp32 eager copy; both from the same weights, both with
@@ -622,7 +623,11 @@ def fit(
     from ``seed``; ``torch_masks="program"`` has the torch copy drop the same elements
     (``passes.dropout.ProgramMasks``), so the two runs differ by their arithmetic
     alone, and ``"own"`` has it draw its own masks from ``seed``.
-    ``torch_reference=False`` trains the program alone.
+    ``torch_reference=False`` trains the program alone. ``torch_start`` is a state
+    dict the torch copy starts from instead of ``model``'s (with ``apply_scheme`` and
+    ``quantize`` done): a run that goes on from an earlier one, the program from the
+    earlier program's weights (``model``) and torch from the earlier torch copy's
+    (``FitResult.torch_state``).
 
     Both are evaluated before the first step, every ``eval_every`` steps (default:
     each epoch) and after the last: the program's accuracy is an eager copy's in
@@ -700,6 +705,8 @@ def fit(
         )
 
     reference = copy.deepcopy(net) if torch_reference else None
+    if reference is not None and torch_start is not None:
+        reference.load_state_dict(torch_start)
     if reference is not None and quantized.holds_activation_pairs(reference):
         # The gradients of adapters inside a quantized backbone pass its quantizes as in
         # the program: by the straight-through estimator (the same forward values).

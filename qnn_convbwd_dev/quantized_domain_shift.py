@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
+import math
 import time
 
 import torch
 from torch import nn
 
-from qnn_convbwd import finetune
+from qnn_convbwd import finetune, quantized
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +79,65 @@ def pretrain(
     return net.eval()
 
 
+def _build(
+    split: finetune.Split,
+    scheme: str,
+    quantization: str,
+    batch: int,
+    pretrain_epochs: int,
+    pretrain_samples: int | None,
+    calibration_batches: int,
+    seed: int,
+) -> tuple[nn.Module, nn.Module]:
+    """The pretrained float model with ``scheme`` applied, and its quantized copy.
+
+    The pretraining runs with torch's MKLDNN backend on (when available), the setting a
+    fresh process starts with: executorch's Qualcomm backend turns it off for the rest
+    of the process on an AMD host once a quantizer or a lowering starts, and the
+    convolutions' other fp32 arithmetic, over 3 epochs, gives other weights; with it
+    pinned, a model built after another in one process is the one a fresh process
+    builds."""
+    with torch.backends.mkldnn.flags(enabled=torch.backends.mkldnn.is_available()):
+        net = pretrain(split, epochs=pretrain_epochs, seed=seed, samples=pretrain_samples)
+    net = finetune.apply_scheme(net, scheme)
+    model, _ = finetune.quantize_for_fit(
+        copy.deepcopy(net), split.train, batch, quantization, calibration_batches, seed
+    )
+    return net, model
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """How a scheme fine-tunes: ``head_epochs`` epochs of the head alone first (SGD at
+    ``head_lr`` with ``head_momentum``), then the scheme's trained tensors at ``lr``
+    with ``momentum``."""
+
+    lr: float
+    momentum: float
+    head_epochs: int = 0
+    head_lr: float = 0.02
+    head_momentum: float = 0.9
+
+
+# The head alone: one epoch at 0.02 with momentum 0.9. Adapters: that epoch of the head
+# first, then the adapters and the head together at a quarter of the rate
+# (docs/quantized.md: from the shifted domain's first, badly wrong head their
+# gradients move the backbone's features far and the run depends on fp32 rounding).
+PROTOCOLS = {
+    "head": Protocol(lr=0.02, momentum=0.9),
+    "adapter": Protocol(lr=0.005, momentum=0.9, head_epochs=1),
+}
+
+
 @dataclasses.dataclass
-class DomainShift:
-    shift: str
-    quantization: str
+class Phase:
+    """One ``finetune.fit`` of the run: the program and torch after it."""
+
     scheme: str
-    pretrain_seconds: float
-    float_accuracy: float  # the fp32 model on the original test split
-    quantized_accuracy: float  # the quantized model on the original test split
-    shifted_before: float  # the quantized model on the shifted test split, before
-    program_accuracy: float  # after the fine-tune, the program's head
-    torch_accuracy: float  # after the same steps in torch
+    lr: float
+    momentum: float
+    program_accuracy: float
+    torch_accuracy: float
     steps: int
     lowering_seconds: float
     mean_step_seconds: float
@@ -100,56 +150,52 @@ class DomainShift:
         return 100 * abs(self.program_accuracy - self.torch_accuracy)
 
 
-def run(
-    shift: str = "invert",
-    quantization: str = "8a8w",
-    scheme: str = finetune.QUANTIZED_SCHEME,
-    soc: str = "SM8650",
-    steps: int | None = None,
-    epochs: int | None = 1,
-    batch: int = 16,
-    lr: float = 0.02,
-    momentum: float = 0.9,
-    pretrain_epochs: int = 3,
-    pretrain_samples: int | None = None,
-    calibration_batches: int = finetune.CALIBRATION_BATCHES,
-    seed: int = 0,
-) -> DomainShift:
-    """Pretrain, quantize on the original digits, fine-tune ``scheme`` on the shifted ones
-    (``steps``, else ``epochs`` of the shifted training split) beside torch."""
-    split = finetune.digits(32, seed)
-    start = time.perf_counter()
-    net = pretrain(split, epochs=pretrain_epochs, seed=seed, samples=pretrain_samples)
-    pretrain_seconds = time.perf_counter() - start
-    net = finetune.apply_scheme(net, scheme)
-    model, _ = finetune.quantize_for_fit(
-        copy.deepcopy(net), split.train, batch, quantization, calibration_batches, seed
-    )
-    moved = shifted(split, shift)
-    result = finetune.fit(
-        model,
-        moved.train,
-        moved.test,
+@dataclasses.dataclass
+class DomainShift:
+    shift: str
+    quantization: str
+    scheme: str
+    pretrain_seconds: float
+    float_accuracy: float  # the fp32 model on the original test split
+    quantized_accuracy: float  # the quantized model on the original test split
+    shifted_before: float  # the quantized model on the shifted test split, before
+    phases: list[Phase]  # the head alone first (a warm start), if any, then the scheme
+
+    @property
+    def last(self) -> Phase:
+        return self.phases[-1]
+
+    @property
+    def program_accuracy(self) -> float:
+        return self.last.program_accuracy
+
+    @property
+    def torch_accuracy(self) -> float:
+        return self.last.torch_accuracy
+
+    @property
+    def gap_points(self) -> float:
+        return self.last.gap_points
+
+    @property
+    def delegates(self) -> int:
+        return self.last.delegates
+
+    @property
+    def on_cpu(self) -> dict[str, int]:
+        return self.last.on_cpu
+
+    @property
+    def losses(self) -> list[tuple[float, float]]:
+        return self.last.losses
+
+
+def _phase(result: finetune.FitResult, scheme: str, lr: float, momentum: float) -> Phase:
+    after = result.evaluations[-1]
+    return Phase(
         scheme=scheme,
-        soc=soc,
-        batch=batch,
-        steps=steps,
-        epochs=None if steps is not None else epochs,
         lr=lr,
         momentum=momentum,
-        seed=seed,
-        train_mode=False,
-        eval_every=10**9,
-    )
-    before, after = result.evaluations[0], result.evaluations[-1]
-    return DomainShift(
-        shift=shift,
-        quantization=quantization,
-        scheme=scheme,
-        pretrain_seconds=pretrain_seconds,
-        float_accuracy=finetune.accuracy(net, split.test),
-        quantized_accuracy=finetune.accuracy(model, split.test),
-        shifted_before=before.program_accuracy,
         program_accuracy=after.program_accuracy,
         torch_accuracy=after.torch_accuracy,
         steps=len(result.steps),
@@ -161,19 +207,178 @@ def run(
     )
 
 
+def run(
+    shift: str = "invert",
+    quantization: str = "8a8w",
+    scheme: str = finetune.QUANTIZED_SCHEME,
+    soc: str = "SM8650",
+    steps: int | None = None,
+    epochs: int | None = 1,
+    batch: int = 16,
+    protocol: Protocol | None = None,
+    pretrain_epochs: int = 3,
+    pretrain_samples: int | None = None,
+    calibration_batches: int = finetune.CALIBRATION_BATCHES,
+    seed: int = 0,
+    cpu_only: bool = False,
+) -> DomainShift:
+    """Pretrain, quantize on the original digits, fine-tune ``scheme`` on the shifted ones
+    beside torch with ``protocol`` (``PROTOCOLS[scheme]`` by default): its
+    ``head_epochs`` of the head alone first, if any, then ``steps``, else ``epochs`` of
+    the shifted training split, of the scheme. Each phase is one ``finetune.fit`` on the
+    same batches (the same shuffles from ``seed``); torch goes on from its own weights.
+    ``cpu_only`` lowers for SM8350 (nothing delegated) instead of ``soc``."""
+    protocol = protocol or PROTOCOLS[scheme]
+    if scheme == "head" and protocol.head_epochs:
+        raise ValueError("the head scheme has no warm start of the head alone: head_epochs 0")
+    split = finetune.digits(32, seed)
+    start = time.perf_counter()
+    net, model = _build(
+        split, scheme, quantization, batch, pretrain_epochs, pretrain_samples,
+        calibration_batches, seed,
+    )  # fmt: skip
+    pretrain_seconds = time.perf_counter() - start
+    moved = shifted(split, shift)
+    common = dict(soc=soc, batch=batch, seed=seed, cpu_only=cpu_only, train_mode=False)
+    phases: list[Phase] = []
+    torch_start = None
+    start_model = model
+    before = None
+    plan = [("head", protocol.head_lr, protocol.head_momentum, None, protocol.head_epochs)]
+    plan = plan if protocol.head_epochs else []
+    plan.append((scheme, protocol.lr, protocol.momentum, steps, epochs))
+    for phase_scheme, lr, momentum, phase_steps, phase_epochs in plan:
+        result = finetune.fit(
+            start_model,
+            moved.train,
+            moved.test,
+            scheme=phase_scheme,
+            steps=phase_steps,
+            epochs=None if phase_steps is not None else phase_epochs,
+            lr=lr,
+            momentum=momentum,
+            eval_every=10**9,
+            torch_start=torch_start,
+            **common,
+        )
+        if before is None:
+            before = result.evaluations[0].program_accuracy
+        phases.append(_phase(result, phase_scheme, lr, momentum))
+        start_model, torch_start = result.trained, result.torch_state
+    return DomainShift(
+        shift=shift,
+        quantization=quantization,
+        scheme=scheme,
+        pretrain_seconds=pretrain_seconds,
+        float_accuracy=finetune.accuracy(net, split.test),
+        quantized_accuracy=finetune.accuracy(model, split.test),
+        shifted_before=before,
+        phases=phases,
+    )
+
+
+def prepared(
+    shift: str = "invert",
+    scheme: str = finetune.QUANTIZED_SCHEME,
+    quantization: str = "8a8w",
+    batch: int = 16,
+    pretrain_epochs: int = 3,
+    calibration_batches: int = finetune.CALIBRATION_BATCHES,
+    seed: int = 0,
+) -> tuple[nn.Module, finetune.Split]:
+    """``run``'s quantized model (``scheme`` applied before quantizing) and the shifted
+    split."""
+    split = finetune.digits(32, seed)
+    _, model = _build(
+        split, scheme, quantization, batch, pretrain_epochs, None, calibration_batches, seed
+    )
+    return model, shifted(split, shift)
+
+
+def one_ulp_up(x: torch.Tensor) -> torch.Tensor:
+    """Each element of ``x`` moved to the next fp32 value towards +inf."""
+    return torch.nextafter(x, torch.full_like(x, math.inf))
+
+
+def torch_fine_tune(
+    model: nn.Module,
+    moved: finetune.Split,
+    scheme: str,
+    protocol: Protocol,
+    steps: int | None = None,
+    epochs: int | None = 1,
+    batch: int = 16,
+    seed: int = 0,
+) -> tuple[float, list[float]]:
+    """``run``'s torch side alone: the same phases on the same batches (a fresh
+    ``torch.optim.SGD`` each, the quantizes passed by the straight-through estimator, in
+    ``eval()``). Returns the accuracy on ``moved.test`` and the losses."""
+    net = copy.deepcopy(model).eval()
+    quantized.straight_through(net)
+    per_epoch = len(moved.train[0]) // batch
+    plan = [("head", protocol.head_lr, protocol.head_momentum, protocol.head_epochs * per_epoch)]
+    plan = plan if protocol.head_epochs else []
+    plan.append((scheme, protocol.lr, protocol.momentum, steps or (epochs or 1) * per_epoch))
+    loss = nn.CrossEntropyLoss()
+    losses: list[float] = []
+    for phase_scheme, lr, momentum, count in plan:
+        finetune.apply_scheme(net, phase_scheme)
+        trained = [p for p in net.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trained, lr=lr, momentum=momentum)
+        batches = finetune._batches(moved.train, batch, seed)
+        for x, y in itertools.islice(batches, count):
+            optimizer.zero_grad(set_to_none=True)
+            value = loss(net(x), y)
+            value.backward()
+            optimizer.step()
+            losses.append(float(value.detach()))
+    return finetune.accuracy(net, moved.test), losses
+
+
+def torch_spread(
+    shift: str = "invert",
+    scheme: str = finetune.QUANTIZED_SCHEME,
+    protocol: Protocol | None = None,
+    seeds: tuple[int, ...] = (0, 1, 2),
+    steps: int | None = None,
+    epochs: int | None = 1,
+    batch: int = 16,
+    pretrain_epochs: int = 3,
+) -> list[tuple[int, float, float]]:
+    """How much the fine-tune's outcome depends on fp32 rounding: per seed, torch's
+    accuracy after ``torch_fine_tune`` on the shifted images as they are and on every
+    pixel moved one fp32 ulp up (``one_ulp_up``), ``(seed, as_is, nudged)``."""
+    protocol = protocol or PROTOCOLS[scheme]
+    found = []
+    for seed in seeds:
+        model, moved = prepared(
+            shift, scheme, batch=batch, pretrain_epochs=pretrain_epochs, seed=seed
+        )
+        nudged = finetune.Split((one_ulp_up(moved.train[0]), moved.train[1]), moved.test)
+        run_args = dict(steps=steps, epochs=epochs, batch=batch, seed=seed)
+        as_is, _ = torch_fine_tune(model, moved, scheme, protocol, **run_args)
+        other, _ = torch_fine_tune(model, nudged, scheme, protocol, **run_args)
+        found.append((seed, as_is, other))
+    return found
+
+
 def lines(found: DomainShift) -> list[str]:
     """What the script prints."""
-    gaps = [abs(a - b) for a, b in found.losses]
-    return [
-        f"shift {found.shift}, backbone {found.quantization}, scheme {found.scheme}: "
-        f"{found.steps} steps",
+    out = [
+        f"shift {found.shift}, backbone {found.quantization}, scheme {found.scheme}",
         f"original test split: fp32 {100 * found.float_accuracy:.1f}%, quantized "
         f"{100 * found.quantized_accuracy:.1f}% (pretraining {found.pretrain_seconds:.0f} s)",
         f"shifted test split before the fine-tune: {100 * found.shifted_before:.1f}%",
-        f"after: program {100 * found.program_accuracy:.1f}%, torch "
-        f"{100 * found.torch_accuracy:.1f}% ({found.gap_points:.1f} points apart)",
-        f"lowering {found.lowering_seconds:.1f} s, {found.delegates} delegate(s), on CPU "
-        f"{found.on_cpu or 'none'}, {found.mean_step_seconds:.2f} s a step",
-        f"loss gap per step: max {max(gaps):.2e} (step {gaps.index(max(gaps))}), mean "
-        f"{sum(gaps) / len(gaps):.2e}, first three " + ", ".join(f"{g:.1e}" for g in gaps[:3]),
     ]
+    for phase in found.phases:
+        gaps = [abs(a - b) for a, b in phase.losses]
+        out += [
+            f"{phase.scheme}: {phase.steps} steps, SGD lr {phase.lr:g} momentum "
+            f"{phase.momentum:g}: program {100 * phase.program_accuracy:.1f}%, torch "
+            f"{100 * phase.torch_accuracy:.1f}% ({phase.gap_points:.1f} points apart)",
+            f"  lowering {phase.lowering_seconds:.1f} s, {phase.delegates} delegate(s), on "
+            f"CPU {phase.on_cpu or 'none'}, {phase.mean_step_seconds:.2f} s a step",
+            f"  loss gap per step: max {max(gaps):.2e} (step {gaps.index(max(gaps))}), mean "
+            f"{sum(gaps) / len(gaps):.2e}, first three " + ", ".join(f"{g:.1e}" for g in gaps[:3]),
+        ]
+    return out

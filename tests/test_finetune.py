@@ -195,6 +195,29 @@ def test_fit_torch_copy_drops_what_the_program_drops(digits8):
         finetune.fit(dropout_net(), digits8.train, digits8.test, torch_masks="mine", **run)
 
 
+def test_fit_torch_copy_starts_from_torch_start(digits8):
+    """``torch_start``: the torch copy takes the given weights, the program keeps
+    ``model``'s."""
+    other = small_net(seed=1)
+    result = finetune.fit(
+        small_net(),
+        digits8.train,
+        digits8.test,
+        batch=8,
+        steps=1,
+        lr=0.1,
+        cpu_only=True,
+        torch_start=other.state_dict(),
+    )
+    x, y = next(finetune._batches(digits8.train, 8, 0))
+    with torch.no_grad():
+        theirs = float(nn.functional.cross_entropy(other.train()(x), y))
+        ours = float(nn.functional.cross_entropy(small_net().train()(x), y))
+    assert abs(ours - theirs) > 1e-3, (ours, theirs)  # the two starts differ
+    assert result.steps[0].torch_loss == theirs, result.steps
+    assert abs(result.steps[0].program_loss - ours) <= 1e-4, result.steps
+
+
 @pytest.mark.htp
 def test_fit_on_the_simulator_tracks_torch(digits8, qnn_sdk):
     result = finetune.fit(

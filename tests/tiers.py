@@ -97,6 +97,10 @@ LONG: dict[str, str] = {
     "tests/test_finetune.py::test_fit_drops_odd_sized_loader_batches": (
         "a CPU-only fit from a DataLoader with a short last batch"
     ),
+    "tests/test_finetune.py::test_fit_torch_copy_starts_from_torch_start": (
+        "a CPU-only fit whose torch copy starts from other weights; "
+        "test_fit_on_the_simulator_tracks_torch runs fit's torch copy from the model's"
+    ),
     "tests/test_conv_batch_norm.py::test_a_fully_trained_folded_program_trains_with_executorchs_training_runtime[fold]": (  # noqa: E501
         "another folding option; test_a_folded_program_trains_with_executorchs_training_"
         "runtime runs the same runtime"

@@ -136,15 +136,7 @@ def test_lower_and_step_match_torch(qnn_sdk):
 def test_the_torch_reference_steps_are_torch_optim_sgd():
     """The sweep's torch side of its SGD steps is torch.optim.SGD to the bit, batch-norm
     statistics of train() included, and it leaves the model it copies untouched."""
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(
-        torch.nn.Conv2d(3, 4, 3),
-        torch.nn.BatchNorm2d(4),
-        torch.nn.ReLU(),
-        torch.nn.Flatten(),
-        torch.nn.Linear(4 * 6 * 6, 10),
-    ).train()
-    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,))
+    net, x, y = _tiny()
     before = {k: v.clone() for k, v in net.state_dict().items()}
     losses, first = sweep._torch_steps(net, x, y, 3, 0.1, torch.float32)
     assert all(torch.equal(v, before[k]) for k, v in net.state_dict().items())

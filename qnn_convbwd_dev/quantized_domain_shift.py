@@ -60,7 +60,26 @@ def pretrain(
 ) -> nn.Module:
     """``arch`` (weights from ``seed``) trained in fp32 on ``split.train`` (its first
     ``samples`` when given) for ``epochs`` epochs, SGD with momentum 0.9, in
-    ``train()``; returned in ``eval()``."""
+    ``train()``; returned in ``eval()``.
+
+    It runs with torch's MKLDNN backend on (when available), the setting a fresh
+    process starts with: executorch's Qualcomm backend turns it off for the rest of the
+    process on an AMD host once a quantizer or a lowering starts, and the convolutions'
+    other fp32 arithmetic, over a few epochs, gives other weights; with it pinned, a
+    model trained after a lowering in one process is the one a fresh process trains."""
+    with torch.backends.mkldnn.flags(enabled=torch.backends.mkldnn.is_available()):
+        return _pretrain(split, arch, epochs, batch, lr, seed, samples)
+
+
+def _pretrain(
+    split: finetune.Split,
+    arch: str,
+    epochs: int,
+    batch: int,
+    lr: float,
+    seed: int,
+    samples: int | None,
+) -> nn.Module:
     net = finetune.architecture(arch, seed=seed).train()
     x, y = split.train
     if samples is not None:
@@ -89,16 +108,9 @@ def _build(
     calibration_batches: int,
     seed: int,
 ) -> tuple[nn.Module, nn.Module]:
-    """The pretrained float model with ``scheme`` applied, and its quantized copy.
-
-    The pretraining runs with torch's MKLDNN backend on (when available), the setting a
-    fresh process starts with: executorch's Qualcomm backend turns it off for the rest
-    of the process on an AMD host once a quantizer or a lowering starts, and the
-    convolutions' other fp32 arithmetic, over 3 epochs, gives other weights; with it
-    pinned, a model built after another in one process is the one a fresh process
-    builds."""
-    with torch.backends.mkldnn.flags(enabled=torch.backends.mkldnn.is_available()):
-        net = pretrain(split, epochs=pretrain_epochs, seed=seed, samples=pretrain_samples)
+    """The pretrained float model with ``scheme`` applied (``pretrain``, on the MKLDNN
+    backend a fresh process has), and its quantized copy."""
+    net = pretrain(split, epochs=pretrain_epochs, seed=seed, samples=pretrain_samples)
     net = finetune.apply_scheme(net, scheme)
     model, _ = finetune.quantize_for_fit(
         copy.deepcopy(net), split.train, batch, quantization, calibration_batches, seed

@@ -26,3 +26,22 @@ def test_the_head_learns_inverted_digits_as_torch_does(qnn_sdk):
     # have taken their own (fp16 and fp32) steps and the losses agree less closely.
     for step, (ours, theirs) in enumerate(found.losses[:3]):
         assert abs(ours - theirs) <= 3e-2 * max(1.0, abs(theirs)), (step, ours, theirs)
+
+
+def test_pretraining_is_the_same_after_the_backend_switches_mkldnn_off():
+    """``pretrain`` runs on the MKLDNN backend a fresh process has, also where a
+    lowering or a quantizer has turned it off for the process (as executorch's Qualcomm
+    backend does on an AMD host): the same seed trains the same weights."""
+    import torch
+
+    from qnn_convbwd import finetune
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch has no MKLDNN backend: there is nothing to switch off")
+    split = finetune.digits(32, 0)
+    fresh = ds.pretrain(split, epochs=1, samples=64)
+    with torch.backends.mkldnn.flags(enabled=False):
+        switched_off = ds.pretrain(split, epochs=1, samples=64)
+        assert not torch.backends.mkldnn.enabled  # the caller's setting is kept
+    for (name, a), (_, b) in zip(fresh.state_dict().items(), switched_off.state_dict().items()):
+        assert torch.equal(a, b), name

@@ -729,7 +729,14 @@ def fit(
             optimizer=chosen,
         )
     sites: list[dropout.Site] = []
-    if reference is not None and train_mode and torch_masks == "program":
+    if (
+        reference is not None
+        and train_mode
+        and torch_masks == "program"
+        # A program that draws keeps the draws' step counter; one without has no draws
+        # to recompute, and the export below is skipped.
+        and dropout.STEP_BUFFER in training.program_buffers(program.pte)
+    ):
         # The program's draws, recomputed from the seed: the joint graph, rewritten (a
         # quantized model's with the estimator, as lower_for_training exports it).
         exported = wrapped

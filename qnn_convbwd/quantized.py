@@ -92,15 +92,28 @@ class QuantizedBackbone(nn.Module):
         return self
 
 
-def quantizer(scheme: str):
+def quantizer(scheme: str, *, qat: bool = False, per_channel: bool = True):
     """executorch's ``QnnQuantizer`` for ``scheme`` (``SCHEMES``), convolution weights per
-    output channel."""
+    output channel unless ``per_channel`` is False, with fake quantization for
+    quantization-aware training when ``qat``.
+
+    The QNN SDK is made usable first (``ensure_sdk``): building a ``QnnQuantizer`` in a
+    process without ``QNN_SDK_ROOT`` has executorch download an SDK and libc++, which
+    fails offline with tracebacks on the console."""
     from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
+
+    from .toolchain import SdkUnavailable, ensure_sdk
 
     if scheme not in SCHEMES:
         raise QuantizationError(f"quantization {scheme!r}: one of {', '.join(SCHEMES)}")
+    try:
+        ensure_sdk()
+    except SdkUnavailable as error:  # quantizing needs no SDK; executorch then looks itself
+        logger.info("quantizing without a QNN SDK of the plugin's: %s", error)
     chosen = QnnQuantizer()
-    chosen.set_default_quant_config(getattr(QuantDtype, SCHEMES[scheme]), is_conv_per_channel=True)
+    chosen.set_default_quant_config(
+        getattr(QuantDtype, SCHEMES[scheme]), is_qat=qat, is_conv_per_channel=per_channel
+    )
     return chosen
 
 

@@ -198,17 +198,13 @@ def qat_cifar(dtype: str = "8a8w", qat_steps: int = 3, seed: int = 0) -> InputAd
     quantization-aware training of its features (``QnnQuantizer(is_qat=True)``,
     ``prepare_qat_pt2e``), then converted (``convert_pt2e``) and put behind a trainable
     input adapter; the adapter and the classifier train on."""
-    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
     from torchao.quantization.pt2e import move_exported_model_to_eval
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_qat_pt2e
 
     from qnn_convbwd import finetune
 
     net = finetune.architecture("cifar", seed=seed).eval()
-    quantizer = QnnQuantizer()
-    quantizer.set_default_quant_config(
-        getattr(QuantDtype, qb.DTYPES[dtype]), is_qat=True, is_conv_per_channel=True
-    )
+    quantizer = quantized.quantizer(dtype, qat=True)
     example = torch.zeros(qb.BATCH, 3, qb.SIZE, qb.SIZE)
     features = torch.export.export(net.features, (example,), strict=True).module()
     prepared = prepare_qat_pt2e(features, quantizer)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qnn_convbwd_dev import quantized_backbone as qb
+from qnn_convbwd import quantized
 
 
 class GradInput(nn.Module):
@@ -34,13 +34,9 @@ class GradWeight(nn.Module):
 
 
 def _converted(module: nn.Module, inputs: tuple, dtype: str, per_channel: bool) -> nn.Module:
-    from executorch.backends.qualcomm.quantizer.quantizer import QnnQuantizer, QuantDtype
     from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
-    quantizer = QnnQuantizer()
-    quantizer.set_default_quant_config(
-        getattr(QuantDtype, qb.DTYPES[dtype]), is_conv_per_channel=per_channel
-    )
+    quantizer = quantized.quantizer(dtype, per_channel=per_channel)
     prepared = prepare_pt2e(torch.export.export(module, inputs, strict=True).module(), quantizer)
     gen = torch.Generator().manual_seed(1)
     for _ in range(4):

@@ -260,3 +260,38 @@ def test_trained_batches_are_digits_the_model_did_not_train_on():
     assert rows(torch.cat(calibration)) <= train
     with pytest.raises(ValueError, match="test split has 297"):
         qb.batches(100, trained=True)
+
+
+def test_the_quantizer_makes_the_sdk_usable_before_executorch_looks_for_one(qnn_sdk):
+    """Building ``quantized.quantizer`` in a process with no ``QNN_SDK_ROOT`` (a user's
+    script that quantizes before lowering anything) exports the plugin's SDK root first:
+    executorch's ``QnnQuantizer`` then finds it, rather than downloading an SDK and
+    libc++ (with a traceback per attempt when offline), and the quantizer has the
+    settings asked for."""
+    import os
+    import subprocess
+    import sys
+
+    from qnn_convbwd.toolchain import active_sdk
+
+    root = active_sdk().root
+    env = {k: v for k, v in os.environ.items() if k != "QNN_SDK_ROOT"}
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and str(root) not in p
+    )
+    child = (
+        "import os\n"
+        "from qnn_convbwd import quantized\n"
+        "q = quantized.quantizer('16a8w', qat=True)\n"
+        "config = q.default_quant_config\n"
+        "print('ROOT', os.environ.get('QNN_SDK_ROOT'))\n"
+        "print('QAT', config.is_qat, 'PER_CHANNEL', config.is_conv_per_channel)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300
+    )
+    printed = done.stdout + done.stderr
+    assert done.returncode == 0, printed[-3000:]
+    assert "Downloading" not in printed and "Failed to stage" not in printed, printed[-3000:]
+    assert f"ROOT {root}" in done.stdout
+    assert "QAT True PER_CHANNEL True" in done.stdout

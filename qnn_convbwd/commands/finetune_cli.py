@@ -516,7 +516,7 @@ def phase_lines(result: finetune.FitResult) -> list[str]:
         line = (
             f"phase {number}, {trains}: steps {phase['first'] + 1}-"
             f"{phase['first'] + phase['steps']}, {phase['optimizer']['name']} {hyper}"
-            f" ({phase['lr_schedule']}), {phase['trainable']} trained elements"
+            f", schedule {phase['lr_schedule']}, {phase['trainable']} trained elements"
         )
         if phase["program_accuracy"] is not None:
             line += f"; after it {100 * phase['program_accuracy']:.1f}% (program)"

@@ -7,7 +7,9 @@ module:function``; ``--weights`` loaded strictly), checks all of it before writi
 anything, lowers the joint training graph for the SoC with the optimizer (``--optimizer
 sgd|adamw``) inside it and trains it in ``train()`` through ExecuTorch's runtime, one
 program call per step, with torch eager and the same ``torch.optim`` optimizer on the
-same batches unless ``--no-torch`` (``finetune.fit``). With ``--out`` it saves a checkpoint every
+same batches unless ``--no-torch`` (``finetune.fit``); ``--head-epochs`` trains the head alone
+first, a warm start with its own program and optimizer (one epoch by default for adapters
+inside a quantized backbone). With ``--out`` it saves a checkpoint every
 ``--checkpoint-every`` steps, and after the last step the trained ``state_dict``,
 the training program starting from the trained weights, an inference program,
 ``report.json`` and the curves; ``--resume`` continues a killed run.

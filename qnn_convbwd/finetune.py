@@ -534,16 +534,22 @@ class FitResult:
     # ``lowering_seconds`` the sum of the lowerings this process made.
     phases: list[FitPhase] = dataclasses.field(default_factory=list)
 
+    def _timed(self) -> list[Step]:
+        """The steps after each phase's first (which loads its program's delegates); the
+        first ones when there are no others."""
+        firsts = {phase.first for phase in self.phases} | {0}
+        return [s for i, s in enumerate(self.steps) if i not in firsts] or self.steps
+
     @property
     def mean_step_seconds(self) -> float:
-        """Mean seconds of the program's steps after the first (which loads the delegates);
-        the first one alone when there is only one."""
-        timed = self.steps[1:] or self.steps
+        """Mean seconds of the program's steps after each phase's first (which loads the
+        delegates); the first ones alone when there are no others."""
+        timed = self._timed()
         return sum(s.seconds for s in timed) / len(timed) if timed else math.nan
 
     @property
     def mean_torch_step_seconds(self) -> float:
-        timed = self.steps[1:] or self.steps
+        timed = self._timed()
         return sum(s.torch_seconds for s in timed) / len(timed) if timed else math.nan
 
     def on_cpu_by_rule(self) -> dict[str, int]:

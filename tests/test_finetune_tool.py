@@ -445,6 +445,9 @@ def test_a_warm_start_carries_the_weights_statistics_and_dropout_masks_on(qnn_sd
     assert int(result.program_final["qnn_convbwd_dropout_step"]) == per_epoch + 6
     # Evaluated before, after the head's phase and at the end.
     assert [e.step for e in result.evaluations] == [0, per_epoch, per_epoch + 6]
+    # The mean step time leaves out each phase's first step (its program's load).
+    timed = [s.seconds for i, s in enumerate(result.steps) if i not in (0, per_epoch)]
+    assert result.mean_step_seconds == sum(timed) / len(timed)
 
 
 # --- bad input ------------------------------------------------------------------------

@@ -543,7 +543,9 @@ def summary(result: finetune.FitResult, png: Path | None) -> list[str]:
     step_time = f"step time: {1000 * result.mean_step_seconds:.1f} ms (program)"
     if result.torch_reference:
         step_time += f", {1000 * result.mean_torch_step_seconds:.1f} ms (torch eager)"
-    lines.append(step_time + ", mean after the first")
+    lines.append(
+        step_time + ", mean after the first" + (" of each phase" if len(result.phases) > 1 else "")
+    )
     lines += phase_lines(result)
     final = result.evaluations[-1]
     accuracy = (

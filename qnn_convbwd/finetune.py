@@ -442,6 +442,61 @@ class Evaluation:
 
 
 @dataclasses.dataclass
+class FitPhase:
+    """One phase of a fit: its own training program and a fresh optimizer (in the program
+    and for the torch copy), the weights as the previous phase left them."""
+
+    trains: str  # "head": the head alone (a warm start); else the scheme
+    first: int  # steps of the run before it
+    steps: int
+    optimizer: dict[str, Any]  # describe_optimizer: its name, base rate, hyper-parameters
+    lr_schedule: str
+    trainable: int  # trainable parameter elements
+    lowering_seconds: float
+    delegates: int
+    on_cpu: dict[str, int]  # ops its program keeps on CPU, by partition rule
+
+
+@dataclasses.dataclass
+class _Planned:
+    """A phase ``fit`` will run: the parameters it trains (names), its optimizer, where it
+    starts in the run and its learning-rate schedule."""
+
+    trains: str
+    names: list[str]
+    optimizer: Any  # training.SGD / training.AdamW
+    first: int
+    steps: int
+    schedule: str
+
+    def rate(self, step: int) -> float:
+        """The learning rate of the phase's step ``step`` (0-based)."""
+        return self.optimizer.lr * lr_factor(self.schedule, step, self.steps)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "trains": self.trains,
+            "first": self.first,
+            "steps": self.steps,
+            "optimizer": describe_optimizer(self.optimizer),
+            "lr_schedule": self.schedule,
+        }
+
+
+def _warm_start(net: nn.Module, scheme: str, steps: int, optimizer: Any) -> _Planned:
+    """The head-alone phase before ``scheme``: the parameters ``scheme`` trains inside the
+    top-level child holding the head (``apply_scheme``'s ``head``)."""
+    child = head(net).split(".", 1)[0] + "."
+    names = [n for n in trainable_names(net) if n.startswith(child)]
+    if not names:
+        raise ValueError(
+            f"scheme {scheme!r} trains nothing in the head {child[:-1]!r}: there is no head "
+            "to warm up (head_epochs 0)"
+        )
+    return _Planned("head", names, optimizer, 0, steps, "none")
+
+
+@dataclasses.dataclass
 class FitResult:
     name: str
     scheme: str
@@ -474,17 +529,27 @@ class FitResult:
     # The trained model in eval(), the program's state loaded (a quantized run's
     # ``quantized.QuantizedBackbone``).
     trained: Any = dataclasses.field(default=None, repr=False)
+    # The phases that ran, in order: the head alone first with ``head_epochs``, then the
+    # scheme. ``program``, ``delegates`` and ``on_cpu`` are the last phase's,
+    # ``lowering_seconds`` the sum of the lowerings this process made.
+    phases: list[FitPhase] = dataclasses.field(default_factory=list)
+
+    def _timed(self) -> list[Step]:
+        """The steps after each phase's first (which loads its program's delegates); the
+        first ones when there are no others."""
+        firsts = {phase.first for phase in self.phases} | {0}
+        return [s for i, s in enumerate(self.steps) if i not in firsts] or self.steps
 
     @property
     def mean_step_seconds(self) -> float:
-        """Mean seconds of the program's steps after the first (which loads the delegates);
-        the first one alone when there is only one."""
-        timed = self.steps[1:] or self.steps
+        """Mean seconds of the program's steps after each phase's first (which loads the
+        delegates); the first ones alone when there are no others."""
+        timed = self._timed()
         return sum(s.seconds for s in timed) / len(timed) if timed else math.nan
 
     @property
     def mean_torch_step_seconds(self) -> float:
-        timed = self.steps[1:] or self.steps
+        timed = self._timed()
         return sum(s.torch_seconds for s in timed) / len(timed) if timed else math.nan
 
     def on_cpu_by_rule(self) -> dict[str, int]:
@@ -571,7 +636,13 @@ def describe_optimizer(optimizer: Any) -> dict[str, Any]:
     return {"name": type(optimizer).__name__.lower(), **settings}
 
 
-CHECKPOINT_FORMAT = "qnn-convbwd finetune checkpoint 2"
+CHECKPOINT_FORMAT = "qnn-convbwd finetune checkpoint 3"
+# The head-alone warm start's learning rate (``fit(head_epochs=...)``), and the rate of
+# adapters inside a quantized backbone after it: the domain-shift study's protocol
+# (docs/quantized.md: adapters trained from the first step take the gradients of a
+# confidently wrong head and pull the backbone's features off).
+HEAD_LR = 0.02
+ADAPTER_LR = 0.005
 
 
 def fit(
@@ -603,6 +674,9 @@ def fit(
     quantize: str | None = None,
     calibration_batches: int = CALIBRATION_BATCHES,
     torch_start: dict[str, torch.Tensor] | None = None,
+    head_epochs: int = 0,
+    head_lr: float = HEAD_LR,
+    head_momentum: float | None = None,
 ) -> FitResult:
     """Train a copy of ``model`` (cross-entropy) through the lowered program and, on the
     same batches, an fp32 eager copy; both from the same weights, both with
@@ -651,10 +725,26 @@ def fit(
     ``quantize`` (``"8a8w"`` or ``"16a8w"``, ``quantized.SCHEMES``) quantizes the
     backbone with executorch's ``QnnQuantizer`` after calibration on
     ``calibration_batches`` batches of the training data (``calibration_data``) and
-    keeps the head float (``quantized.quantize_backbone``): only the head trains
-    (``scheme="head"``; another scheme is refused). The torch copy runs the same
+    keeps the head float (``quantized.quantize_backbone``): the head trains
+    (``scheme="head"``), or float adapters inside the backbone and the head
+    (``scheme="adapter"``); another scheme is refused. The torch copy runs the same
     converted backbone in fp32. A checkpoint holds the converted backbone's digest;
     a resume quantizes again and is refused when the digest differs.
+
+    ``head_epochs`` > 0 runs a warm start first: that many epochs of the head alone
+    (the parameters ``scheme`` trains inside the top-level child holding the last
+    ``nn.Linear``) with the same kind of optimizer at ``head_lr``, momentum
+    ``head_momentum`` (default ``momentum``), no schedule; then ``steps`` or ``epochs``
+    of ``scheme`` as above. Each phase has a training program of its own, lowered from
+    the weights the previous phase left, and a fresh optimizer (in the program and for
+    the torch copy, which goes on from its own weights); each takes its batches from
+    the first epoch's shuffle on, as a run of its own would, and the dropout masks go
+    on from the previous phase's draws. Steps, evaluations (also after each phase) and
+    checkpoints count over the whole run (``FitResult.phases`` says where each phase
+    starts); a checkpoint is also written when a phase after the first starts, and a
+    resume goes on in the phase its checkpoint was written in. This is the protocol of
+    adapters inside a quantized backbone (``HEAD_LR``, ``ADAPTER_LR``): trained from
+    the first step they take the gradients of a confidently wrong head.
     """
     from . import quantized, training
     from .api import enabled
@@ -667,8 +757,19 @@ def fit(
         raise ValueError(f"torch_masks={torch_masks!r}: one of {', '.join(TORCH_MASKS)}")
     if lr_schedule not in LR_SCHEDULES:
         raise ValueError(f"lr schedule {lr_schedule!r}: one of {', '.join(LR_SCHEDULES)}")
+    if head_epochs < 0:
+        raise ValueError(f"head_epochs={head_epochs}: 0 or more")
+    if head_epochs and scheme == "head":
+        raise ValueError("head_epochs with scheme 'head': it trains the head alone already")
     chosen = program_optimizer(optimizer, lr, momentum, weight_decay)
     described = describe_optimizer(chosen)
+    head_optimizer = (
+        program_optimizer(
+            optimizer, head_lr, momentum if head_momentum is None else head_momentum, weight_decay
+        )
+        if head_epochs
+        else None
+    )
     if quantize is not None:
         check_quantized_scheme(scheme, quantize)
     net = apply_scheme(copy.deepcopy(model), scheme)
@@ -687,7 +788,19 @@ def fit(
     per_epoch = _steps_per_epoch(train, batch)
     if per_epoch == 0:
         raise ValueError(f"no batch of {batch} samples in the training data")
-    total = steps if steps is not None else per_epoch * (epochs or 1)
+    plan = [
+        _Planned(
+            scheme,
+            trainable,
+            chosen,
+            head_epochs * per_epoch,
+            steps if steps is not None else per_epoch * (epochs or 1),
+            lr_schedule,
+        )
+    ]
+    if head_epochs:
+        plan.insert(0, _warm_start(net, scheme, head_epochs * per_epoch, head_optimizer))
+    total = plan[-1].first + plan[-1].steps
     eval_every = eval_every or per_epoch
     checkpoint_every = checkpoint_every or per_epoch
     dropped = 0 if isinstance(train, torch.utils.data.DataLoader) else len(train[0]) % batch
@@ -703,6 +816,11 @@ def fit(
             f"the checkpoint is of a run with the optimizer {resume.get('optimizer')}, "
             f"not {described}"
         )
+    planned = [p.describe() for p in plan]
+    if resume is not None and resume.get("plan") != planned:
+        raise ValueError(
+            f"the checkpoint is of a run with the phases {resume.get('plan')}, not {planned}"
+        )
 
     reference = copy.deepcopy(net) if torch_reference else None
     if reference is not None and torch_start is not None:
@@ -711,42 +829,9 @@ def fit(
         # The gradients of adapters inside a quantized backbone pass its quantizes as in
         # the program: by the straight-through estimator (the same forward values).
         quantized.straight_through(reference)
-    reference_optimizer = (
-        chosen.torch_optimizer([p for p in reference.parameters() if p.requires_grad])
-        if reference is not None
-        else None
-    )
     loss = nn.CrossEntropyLoss()
     first = next(_batches(train, batch, seed))
     target_soc = "SM8350" if cpu_only else soc
-    wrapped = training.WithLoss(copy.deepcopy(net), loss)
-    with enabled(dropout_seed=seed):
-        program = training.lower_for_training(
-            wrapped,
-            first,
-            harness.compile_specs(target_soc),
-            external_weights=external_weights,
-            optimizer=chosen,
-        )
-    sites: list[dropout.Site] = []
-    if (
-        reference is not None
-        and train_mode
-        and torch_masks == "program"
-        # A program that draws keeps the draws' step counter; one without has no draws
-        # to recompute, and the export below is skipped.
-        and dropout.STEP_BUFFER in training.program_buffers(program.pte)
-    ):
-        # The program's draws, recomputed from the seed: the joint graph, rewritten (a
-        # quantized model's with the estimator, as lower_for_training exports it).
-        exported = wrapped
-        if quantized.holds_activation_pairs(wrapped):
-            exported = copy.deepcopy(wrapped)
-            quantized.straight_through(exported)
-        _, sites = dropout.rewrite(training.export_joint(exported, first), seed)
-    delegates = harness.delegate_count(program.edge)
-    if cpu_only and delegates:
-        raise RuntimeError(f"the CPU-only program has {delegates} delegate(s)")
     result = FitResult(
         name=type(model).__name__,
         scheme=scheme,
@@ -756,28 +841,57 @@ def fit(
         batch=batch,
         lr=lr,
         trainable=sum(p.numel() for p in net.parameters() if p.requires_grad),
-        lowering_seconds=program.lowering_seconds,
-        delegates=delegates,
-        on_cpu=list(program.report.on_cpu),
+        lowering_seconds=0.0,
+        delegates=0,
+        on_cpu=[],
         dropped_per_epoch=dropped,
         torch_reference=torch_reference,
-        program=program,
         optimizer=described,
         quantization=quantization,
     )
-    session = program.session()
     evaluated = copy.deepcopy(net)
-    start_step = 0
+    start_step, start_phase = 0, 0
     if resume is not None:
-        session.load_program_state(resume["program_state"])
-        if reference is not None:
-            if resume.get("reference_state") is None:
-                raise ValueError("the checkpoint has no torch copy (a run without torch)")
-            reference.load_state_dict(resume["reference_state"])
-            reference_optimizer.load_state_dict(resume["reference_optimizer"])
-        start_step = resume["step"]
+        start_step, start_phase = resume["step"], resume["phase"]
+        if reference is not None and resume.get("reference_state") is None:
+            raise ValueError("the checkpoint has no torch copy (a run without torch)")
         result.steps = [Step(**s) for s in resume["steps"]]
         result.evaluations = [Evaluation(**e) for e in resume["evaluations"]]
+        result.phases = [FitPhase(**p) for p in resume["phases"]]
+
+    def lower(phase: _Planned) -> tuple[Any, list]:
+        """The phase's training program, lowered from ``net`` as it is, and the dropout
+        sites the torch copy recomputes its masks from."""
+        for name, parameter in net.named_parameters():
+            parameter.requires_grad_(name in phase.names)
+        wrapped = training.WithLoss(copy.deepcopy(net), loss)
+        # Lowering leaves the run's random state (torch's own dropout masks) as it was.
+        with torch.random.fork_rng(devices=[]), enabled(dropout_seed=seed):
+            program = training.lower_for_training(
+                wrapped,
+                first,
+                harness.compile_specs(target_soc),
+                external_weights=external_weights,
+                optimizer=phase.optimizer,
+            )
+        sites: list[dropout.Site] = []
+        if (
+            reference is not None
+            and train_mode
+            and torch_masks == "program"
+            # A program that draws keeps the draws' step counter; one without has no
+            # draws to recompute, and the export below is skipped.
+            and dropout.STEP_BUFFER in training.program_buffers(program.pte)
+        ):
+            # The program's draws, recomputed from the seed: the joint graph, rewritten
+            # (a quantized model's with the estimator, as lower_for_training exports it).
+            exported = wrapped
+            if quantized.holds_activation_pairs(wrapped):
+                exported = copy.deepcopy(wrapped)
+                quantized.straight_through(exported)
+            with torch.random.fork_rng(devices=[]):
+                _, sites = dropout.rewrite(training.export_joint(exported, first), seed)
+        return program, sites
 
     def evaluate(done: int) -> Evaluation:
         evaluated.load_state_dict(session.state_dict())
@@ -790,11 +904,13 @@ def fit(
         result.evaluations.append(found)
         return found
 
-    def state(done: int) -> dict:
+    def state(done: int, index: int, optimizer: Any) -> dict:
         return {
             "format": CHECKPOINT_FORMAT,
             "step": done,
             "total": total,
+            "phase": index,
+            "plan": planned,
             "optimizer": described,
             "program_state": session.program_state(),
             "program_optimizer": session.optimizer_state_dict(),
@@ -802,53 +918,111 @@ def fit(
             if reference is None
             else {k: v.detach().clone() for k, v in reference.state_dict().items()},
             "reference_optimizer": None
-            if reference_optimizer is None
-            else copy.deepcopy(reference_optimizer.state_dict()),
+            if optimizer is None
+            else copy.deepcopy(optimizer.state_dict()),
             "rng": torch.get_rng_state(),
             "quantization": quantization,
             "steps": [dataclasses.asdict(s) for s in result.steps],
             "evaluations": [dataclasses.asdict(e) for e in result.evaluations],
+            "phases": [dataclasses.asdict(p) for p in result.phases],
         }
 
+    session = None
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)  # torch's own dropout masks (torch_masks="own")
-            if resume is not None:
-                torch.set_rng_state(resume["rng"])
-                evaluation = None
-            else:
-                evaluation = evaluate(0)
-            if on_progress is not None:
-                on_progress(result, total, evaluation)
-            batches = itertools.islice(_batches(train, batch, seed), start_step, None)
-            for done in range(start_step + 1, total + 1):
-                x, y = next(batches)
-                rate = lr * lr_factor(lr_schedule, done - 1, total)
-                session.lr = rate
-                start = time.perf_counter()
-                program_loss = session.step([x, y])
-                seconds = time.perf_counter() - start
-                torch_loss, torch_seconds = math.nan, math.nan
+            for index in range(start_phase, len(plan)):
+                phase = plan[index]
+                resumed = resume is not None and index == start_phase
+                program, sites = lower(phase)
+                delegates = harness.delegate_count(program.edge)
+                if cpu_only and delegates:
+                    raise RuntimeError(f"the CPU-only program has {delegates} delegate(s)")
+                result.program, result.delegates = program, delegates
+                result.on_cpu = list(program.report.on_cpu)
+                result.lowering_seconds += program.lowering_seconds
+                reference_optimizer = None
                 if reference is not None:
-                    start = time.perf_counter()
-                    reference_optimizer.zero_grad(set_to_none=True)
-                    if sites:
-                        with dropout.ProgramMasks(sites, done - 1):
-                            reference_loss = loss(reference(x), y)
-                    else:
-                        reference_loss = loss(reference(x), y)
-                    reference_loss.backward()
-                    for group in reference_optimizer.param_groups:
-                        group["lr"] = rate
-                    reference_optimizer.step()
-                    torch_seconds = time.perf_counter() - start
-                    torch_loss = float(reference_loss.detach())
-                result.steps.append(Step(program_loss, torch_loss, seconds, torch_seconds))
-                evaluation = evaluate(done) if done % eval_every == 0 or done == total else None
-                if on_progress is not None:
+                    for name, parameter in reference.named_parameters():
+                        parameter.requires_grad_(name in phase.names)
+                    reference_optimizer = phase.optimizer.torch_optimizer(
+                        [p for p in reference.parameters() if p.requires_grad]
+                    )
+                session = program.session()
+                if resumed:
+                    session.load_program_state(resume["program_state"])
+                    if reference is not None:
+                        reference.load_state_dict(resume["reference_state"])
+                        reference_optimizer.load_state_dict(resume["reference_optimizer"])
+                else:
+                    record = FitPhase(
+                        trains=phase.trains,
+                        first=phase.first,
+                        steps=phase.steps,
+                        optimizer=describe_optimizer(phase.optimizer),
+                        lr_schedule=phase.schedule,
+                        trainable=sum(
+                            p.numel() for n, p in net.named_parameters() if n in phase.names
+                        ),
+                        lowering_seconds=program.lowering_seconds,
+                        delegates=delegates,
+                        on_cpu=dict(collections.Counter(op.rule for op in program.report.on_cpu)),
+                    )
+                    result.phases.append(record)
+                    if index > 0:
+                        # The dropout masks go on from the previous phase's draws.
+                        carried = session.program_state()
+                        if dropout.STEP_BUFFER in carried:
+                            carried[dropout.STEP_BUFFER].fill_(phase.first)
+                            session.load_program_state(carried)
+
+                if resumed:
+                    torch.set_rng_state(resume["rng"])
+                    evaluation = None
+                elif index == 0:
+                    evaluation = evaluate(0)
+                else:
+                    evaluation = None
+                    if on_checkpoint is not None:
+                        # A crash from here on resumes in this phase.
+                        on_checkpoint(state(phase.first, index, reference_optimizer))
+                if on_progress is not None and (index == 0 or resumed):
                     on_progress(result, total, evaluation)
-                if on_checkpoint is not None and done % checkpoint_every == 0 and done < total:
-                    on_checkpoint(state(done))
+                start = start_step - phase.first if resumed else 0
+                end = phase.first + phase.steps
+                batches = itertools.islice(_batches(train, batch, seed), start, None)
+                for done in range(phase.first + start + 1, end + 1):
+                    x, y = next(batches)
+                    rate = phase.rate(done - phase.first - 1)
+                    session.lr = rate
+                    begun = time.perf_counter()
+                    program_loss = session.step([x, y])
+                    seconds = time.perf_counter() - begun
+                    torch_loss, torch_seconds = math.nan, math.nan
+                    if reference is not None:
+                        begun = time.perf_counter()
+                        reference_optimizer.zero_grad(set_to_none=True)
+                        if sites:
+                            with dropout.ProgramMasks(sites, done - 1):
+                                reference_loss = loss(reference(x), y)
+                        else:
+                            reference_loss = loss(reference(x), y)
+                        reference_loss.backward()
+                        for group in reference_optimizer.param_groups:
+                            group["lr"] = rate
+                        reference_optimizer.step()
+                        torch_seconds = time.perf_counter() - begun
+                        torch_loss = float(reference_loss.detach())
+                    result.steps.append(Step(program_loss, torch_loss, seconds, torch_seconds))
+                    evaluation = evaluate(done) if done % eval_every == 0 or done == end else None
+                    if on_progress is not None:
+                        on_progress(result, total, evaluation)
+                    if on_checkpoint is not None and done % checkpoint_every == 0 and done < end:
+                        on_checkpoint(state(done, index, reference_optimizer))
+                net.load_state_dict(session.state_dict())
+                if index < len(plan) - 1:
+                    session.close()
+                    session = None
         result.program_state = session.state_dict()
         result.program_final = session.program_state()
         evaluated.load_state_dict(result.program_state)
@@ -856,7 +1030,8 @@ def fit(
         if reference is not None:
             result.torch_state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     finally:
-        session.close()
+        if session is not None:
+            session.close()
     return result
 
 

@@ -202,20 +202,23 @@ class DomainShift:
         return self.last.losses
 
 
-def _phase(result: finetune.FitResult, scheme: str, lr: float, momentum: float) -> Phase:
-    after = result.evaluations[-1]
+def _phase(result: finetune.FitResult, phase: finetune.FitPhase) -> Phase:
+    end = phase.first + phase.steps
+    after = next(e for e in result.evaluations if e.step == end)
+    steps = result.steps[phase.first : end]
+    timed = steps[1:] or steps  # after the phase's first step, which loads its program
     return Phase(
-        scheme=scheme,
-        lr=lr,
-        momentum=momentum,
+        scheme=phase.trains,
+        lr=phase.optimizer["lr"],
+        momentum=phase.optimizer["momentum"],
         program_accuracy=after.program_accuracy,
         torch_accuracy=after.torch_accuracy,
-        steps=len(result.steps),
-        lowering_seconds=result.lowering_seconds,
-        mean_step_seconds=result.mean_step_seconds,
-        delegates=result.delegates,
-        on_cpu=result.on_cpu_by_rule(),
-        losses=[(s.program_loss, s.torch_loss) for s in result.steps],
+        steps=phase.steps,
+        lowering_seconds=phase.lowering_seconds,
+        mean_step_seconds=sum(s.seconds for s in timed) / len(timed),
+        delegates=phase.delegates,
+        on_cpu=phase.on_cpu,
+        losses=[(s.program_loss, s.torch_loss) for s in steps],
     )
 
 
@@ -237,9 +240,10 @@ def run(
     """Pretrain, quantize on the original digits, fine-tune ``scheme`` on the shifted ones
     beside torch with ``protocol`` (``PROTOCOLS[scheme]`` by default): its
     ``head_epochs`` of the head alone first, if any, then ``steps``, else ``epochs`` of
-    the shifted training split, of the scheme. Each phase is one ``finetune.fit`` on the
-    same batches (the same shuffles from ``seed``); torch goes on from its own weights.
-    ``cpu_only`` lowers for SM8350 (nothing delegated) instead of ``soc``."""
+    the shifted training split, of the scheme: one ``finetune.fit`` with
+    ``head_epochs``, each phase its own program and a fresh optimizer on the same batches
+    (the same shuffles from ``seed``), torch going on from its own weights. ``cpu_only``
+    lowers for SM8350 (nothing delegated) instead of ``soc``."""
     protocol = protocol or PROTOCOLS[scheme]
     if scheme == "head" and protocol.head_epochs:
         raise ValueError("the head scheme has no warm start of the head alone: head_epochs 0")
@@ -251,32 +255,27 @@ def run(
     )  # fmt: skip
     pretrain_seconds = time.perf_counter() - start
     moved = shifted(split, shift)
-    common = dict(soc=soc, batch=batch, seed=seed, cpu_only=cpu_only, train_mode=False)
-    phases: list[Phase] = []
-    torch_start = None
-    start_model = model
-    before = None
-    plan = [("head", protocol.head_lr, protocol.head_momentum, None, protocol.head_epochs)]
-    plan = plan if protocol.head_epochs else []
-    plan.append((scheme, protocol.lr, protocol.momentum, steps, epochs))
-    for phase_scheme, lr, momentum, phase_steps, phase_epochs in plan:
-        result = finetune.fit(
-            start_model,
-            moved.train,
-            moved.test,
-            scheme=phase_scheme,
-            steps=phase_steps,
-            epochs=None if phase_steps is not None else phase_epochs,
-            lr=lr,
-            momentum=momentum,
-            eval_every=10**9,
-            torch_start=torch_start,
-            **common,
-        )
-        if before is None:
-            before = result.evaluations[0].program_accuracy
-        phases.append(_phase(result, phase_scheme, lr, momentum))
-        start_model, torch_start = result.trained, result.torch_state
+    result = finetune.fit(
+        model,
+        moved.train,
+        moved.test,
+        scheme=scheme,
+        soc=soc,
+        batch=batch,
+        steps=steps,
+        epochs=None if steps is not None else epochs,
+        lr=protocol.lr,
+        momentum=protocol.momentum,
+        seed=seed,
+        cpu_only=cpu_only,
+        train_mode=False,
+        eval_every=10**9,
+        head_epochs=protocol.head_epochs,
+        head_lr=protocol.head_lr,
+        head_momentum=protocol.head_momentum,
+    )
+    before = result.evaluations[0].program_accuracy
+    phases = [_phase(result, phase) for phase in result.phases]
     return DomainShift(
         shift=shift,
         quantization=quantization,

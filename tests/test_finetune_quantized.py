@@ -191,14 +191,42 @@ def blocked_model(num_classes: int = 10) -> torch.nn.Module:
     )  # fmt: skip
 
 
+def adapter_args(folders, out: Path, *more: str) -> list[str]:
+    args = [*run_args(*folders, out), "--scheme", "adapter", *more]
+    args[args.index(MODEL)] = BLOCKED
+    return args
+
+
+def recorded_run(args: list[str]) -> tuple[str, list[bytes]]:
+    """``_main(args)``, and the bytes of every checkpoint it wrote, in order (each
+    replaces the one before in the run's folder)."""
+    written = []
+    save = finetune.save_atomic
+
+    def recording(path, value) -> None:
+        save(path, value)
+        if Path(path).name == finetune.CHECKPOINT_FILE:
+            written.append(Path(path).read_bytes())
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(finetune, "save_atomic", recording)
+        code, printed = _main(args)
+    assert code == 0, printed
+    return printed, written
+
+
+# The adapter run: one epoch of the head alone (20 steps of 4 of the 80 training
+# images, the default with --quantize), then STEPS steps of the adapters and the head.
+HEAD_STEPS = 20
+
+
 @pytest.fixture(scope="module")
 def adapted(folders, tmp_path_factory, qnn_sdk):
+    """The adapter scheme's run with its default warm start: (out folder, printed output,
+    the bytes of every checkpoint it wrote)."""
     out = tmp_path_factory.mktemp("adapted") / "run"
-    args = [*run_args(*folders, out), "--scheme", "adapter"]
-    args[args.index(MODEL)] = BLOCKED
-    code, printed = _main(args)
-    assert code == 0, printed
-    return out, printed
+    printed, written = recorded_run(adapter_args(folders, out))
+    return out, printed, written
 
 
 def test_adapters_train_inside_the_quantized_backbone(adapted, folders):
@@ -208,7 +236,7 @@ def test_adapters_train_inside_the_quantized_backbone(adapted, folders):
     with the straight-through estimator within the bound."""
     from qnn_convbwd import finetune_data
 
-    out, printed = adapted
+    out, printed, _ = adapted
     report = json.loads((out / "report.json").read_text())
     assert report["args"]["scheme"] == "adapter"
     seed = report["args"]["seed"]
@@ -234,3 +262,177 @@ def test_adapters_train_inside_the_quantized_backbone(adapted, folders):
     with torch.no_grad():
         right = int((model.eval()(x).argmax(1) == y).sum())
     assert right / len(y) == report["val_accuracy"]
+
+
+def _checkpoint(data: bytes) -> dict:
+    import io
+
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _adapted_model(folders, report: dict) -> quantized.QuantizedBackbone:
+    """The adapter run's quantized model rebuilt from its inputs, before training."""
+    from qnn_convbwd import finetune_data
+
+    seed = report["args"]["seed"]
+    net = finetune.apply_scheme(finetune.user_model(BLOCKED, 4, seed), "adapter")
+    data = finetune_data.load(folders[0], SIZE, classes=report["classes"])
+    normalize = finetune_data.Normalize(report["normalize"]["mean"], report["normalize"]["std"])
+    model, _ = finetune.quantize_for_fit(
+        net, (normalize(data.x), data.y), BATCH, "8a8w", CALIBRATION, seed
+    )
+    return model
+
+
+def test_the_warm_start_trains_the_head_alone_then_the_adapters(adapted, folders):
+    """``--scheme adapter --quantize``: an epoch of the head alone at 0.02 (its program
+    trains the head's tensors and nothing else: the adapters stay zero), then the
+    adapters and the head at ``--lr`` with a fresh optimizer; the checkpoints follow
+    the phases, one written as the second starts."""
+    out, printed, written = adapted
+    report = json.loads((out / "report.json").read_text())
+    assert "first 1 epoch(s) of the head alone at lr 0.02, then adapter" in printed
+    assert f"phase 1, the head alone: steps 1-{HEAD_STEPS}, sgd lr 0.02, momentum 0.9" in printed
+    assert f"phase 2, scheme adapter: steps {HEAD_STEPS + 1}-{HEAD_STEPS + STEPS}, sgd lr 0.05" in (
+        printed
+    )
+    phases = report["phases"]
+    assert [(p["trains"], p["first"], p["steps"]) for p in phases] == [
+        ("head", 0, HEAD_STEPS),
+        ("adapter", HEAD_STEPS, STEPS),
+    ]
+    assert [p["optimizer"]["lr"] for p in phases] == [finetune.HEAD_LR, 0.05]
+    assert report["steps"] == len(report["losses"]) == HEAD_STEPS + STEPS
+    # Evaluated after each phase.
+    assert phases[0]["program_accuracy"] == next(
+        e["program_accuracy"] for e in report["evaluations"] if e["step"] == HEAD_STEPS
+    )
+    states = [_checkpoint(data) for data in written]
+    assert [(s["phase"], s["step"]) for s in states] == [
+        (0, 4), (0, 8), (0, 12), (0, 16), (1, HEAD_STEPS), (1, 24), (1, 28),
+    ]  # fmt: skip
+    model = _adapted_model(folders, report)
+    before = model.state_dict()
+    adapters = [n for n in finetune.trainable_names(model) if ".adapter." in n]
+    head = [n for n in finetune.trainable_names(model) if n not in adapters]
+    assert adapters and head == ["5.weight", "5.bias"]
+    program = f"net.{head[0]}"
+    for state in states:
+        kept = {n for n in state["program_state"] if n.startswith("net.")}
+        trains = head if state["phase"] == 0 else head + adapters
+        assert kept == {f"net.{n}" for n in trains}, (state["step"], kept)
+    # As the adapters' phase starts: the head trained, program and torch; the adapters
+    # as initialised (zero; the program keeps a weight as HWIO); both optimizers fresh.
+    start = states[4]
+    assert not any(before[name].any() for name in adapters)
+    for side in (start["reference_state"], {n[4:]: v for n, v in start["program_state"].items()}):
+        assert not torch.equal(side[head[0]], before[head[0]])
+        assert not any(side[name].any() for name in adapters)
+    assert start["reference_optimizer"]["state"] == {}
+    assert float(start["program_state"]["qnn_convbwd_optim_step"]) == 0
+    # After it: the adapters and the head moved on.
+    trained = torch.load(out / "model.pt")
+    for name in [*adapters, *head]:
+        assert not torch.equal(trained[name], start["reference_state"][name]), name
+    assert not torch.equal(trained[head[0]], start["program_state"][program])
+
+
+def _resumed_from(checkpoint: bytes, finished: Path, out: Path) -> tuple[str, int]:
+    """A copy of the finished run's folder holding ``checkpoint`` and no outputs, resumed:
+    the printed output and how many training programs the resumed run lowered."""
+    from qnn_convbwd import training
+
+    shutil.copytree(finished, out)
+    (out / finetune.CHECKPOINT_FILE).write_bytes(checkpoint)
+    for name in ("report.json", "model.pt", "train.pte", "infer.pte", "curves.png"):
+        (out / name).unlink()
+    lowered = []
+    lower = training.lower_for_training
+
+    def counting(*args, **kwargs):
+        lowered.append(kwargs["optimizer"])
+        return lower(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(training, "lower_for_training", counting)
+        code, printed = _main(["finetune", "--resume", str(out)])
+    assert code == 0, printed
+    return printed, len(lowered)
+
+
+@pytest.mark.parametrize("step", [8, HEAD_STEPS, 24])
+def test_a_resume_in_either_phase_ends_as_the_straight_run(adapted, tmp_path, step):
+    """``--resume`` from a checkpoint in the head's phase, at the start of the adapters'
+    and in the middle of it goes on in that phase, and ends with the straight run's
+    losses, evaluations and weights, to the bit."""
+    out, _, written = adapted
+    checkpoint = next(data for data in written if _checkpoint(data)["step"] == step)
+    resumed = tmp_path / "run"
+    printed, lowered = _resumed_from(checkpoint, out, resumed)
+    # From the head's phase both programs are lowered; from the adapters' that one alone.
+    assert lowered == (2 if step < HEAD_STEPS else 1)
+    assert f"resuming {resumed} after step {step} of {HEAD_STEPS + STEPS}" in printed
+    a = json.loads((resumed / "report.json").read_text())
+    b = json.loads((out / "report.json").read_text())
+    assert a["losses"] == b["losses"] and a["torch_losses"] == b["torch_losses"]
+    assert a["evaluations"] == b["evaluations"]
+    drop = ("lowering_seconds",)
+    assert [{k: v for k, v in p.items() if k not in drop} for p in a["phases"]] == [
+        {k: v for k, v in p.items() if k not in drop} for p in b["phases"]
+    ]
+    ours, theirs = torch.load(resumed / "model.pt"), torch.load(out / "model.pt")
+    assert set(ours) == set(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
+def test_head_epochs_0_trains_the_adapters_from_the_first_step(folders, tmp_path, qnn_sdk):
+    """``--head-epochs 0``: one phase, the adapters and the head from the first step at
+    the default ``--lr`` 0.02, as the tool trained them before it had a warm start."""
+    args = adapter_args(folders, tmp_path / "run", "--head-epochs", "0", "--no-torch")
+    del args[args.index("--lr") : args.index("--lr") + 2]
+    printed, written = recorded_run(args)
+    assert "head alone" not in printed
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert [(p["trains"], p["first"], p["steps"]) for p in report["phases"]] == [
+        ("adapter", 0, STEPS)
+    ]
+    assert report["optimizer"]["lr"] == report["phases"][0]["optimizer"]["lr"] == 0.02
+    first = _checkpoint(written[0])
+    assert (first["phase"], first["step"]) == (0, 4)
+    adapters = [n for n in first["program_state"] if ".adapter.weight" in n]
+    assert len(adapters) == finetune.ADAPTED_BLOCKS
+    assert all(first["program_state"][n].any() for n in adapters)  # trained from step 1
+
+
+def _options(*argv: str):
+    import argparse
+
+    from qnn_convbwd.commands import finetune_cli
+
+    parser = argparse.ArgumentParser()
+    finetune_cli.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    if args.scheme is None:
+        args.scheme = finetune.QUANTIZED_SCHEME if args.quantize else "full"
+    finetune_cli._warm_start_options(args)
+    return args.head_epochs, args.head_lr, args.lr
+
+
+def test_the_warm_start_defaults_and_refusals():
+    """One epoch of the head at 0.02 then 0.005 for adapters in a quantized backbone;
+    no warm start (and 0.02) otherwise; a warm start refused where it means nothing."""
+    from qnn_convbwd.commands.finetune_cli import UsageError
+
+    quantized_adapters = ("--quantize", "8a8w", "--scheme", "adapter")
+    assert _options(*quantized_adapters) == (1, 0.02, 0.005)
+    assert _options(*quantized_adapters, "--head-epochs", "0") == (0, None, 0.02)
+    assert _options(*quantized_adapters, "--head-lr", "0.01", "--lr", "0.001") == (1, 0.01, 0.001)
+    assert _options("--scheme", "adapter") == (0, None, 0.02)
+    assert _options("--quantize", "8a8w") == (0, None, 0.02)
+    assert _options("--scheme", "full", "--head-epochs", "2") == (2, 0.02, 0.02)
+    with pytest.raises(UsageError, match="--head-epochs 1 with --scheme head: it trains the head"):
+        _options("--quantize", "8a8w", "--head-epochs", "1")
+    with pytest.raises(UsageError, match="--head-lr is the warm start's rate"):
+        _options("--head-lr", "0.1")
+    with pytest.raises(UsageError, match="--head-epochs -1: 0 or more"):
+        _options("--head-epochs", "-1")

@@ -422,6 +422,34 @@ def test_a_killed_run_resumes_to_the_same_losses_to_the_bit(finished, folders, t
     _same_run(out, finished[0])
 
 
+def test_a_warm_start_carries_the_weights_statistics_and_dropout_masks_on(qnn_sdk):
+    """``fit(scheme="full", head_epochs=1)``: an epoch of the head alone, then every
+    parameter with a fresh optimizer. The running statistics count the steps of both
+    phases, the program's dropout masks go on from the head's phase (its counter holds
+    every step), and the torch copy, dropping what the program drops in both, keeps its
+    losses within 1e-4 of the program's."""
+    split = finetune.digits(SIZE, seed=0)
+    train = split.train[0][:24], split.train[1][:24]
+    result = finetune.fit(
+        small_model(10), train, split.test, scheme="full", batch=BATCH, steps=6, lr=0.05,
+        momentum=0.9, lr_schedule="cosine", cpu_only=True, head_epochs=1,
+    )  # fmt: skip
+    per_epoch = 24 // BATCH
+    phases = [(p.trains, p.first, p.steps, p.lr_schedule) for p in result.phases]
+    assert phases == [("head", 0, per_epoch, "none"), ("full", per_epoch, 6, "cosine")]
+    assert [p.optimizer["lr"] for p in result.phases] == [finetune.HEAD_LR, 0.05]
+    assert result.phases[0].trainable == 16 * 10 + 10  # the linear head
+    assert int(result.program_state["1.num_batches_tracked"]) == per_epoch + 6
+    gaps = [abs(s.program_loss - s.torch_loss) for s in result.steps]
+    assert len(gaps) == per_epoch + 6 and max(gaps) < 1e-4, gaps
+    assert int(result.program_final["qnn_convbwd_dropout_step"]) == per_epoch + 6
+    # Evaluated before, after the head's phase and at the end.
+    assert [e.step for e in result.evaluations] == [0, per_epoch, per_epoch + 6]
+    # The mean step time leaves out each phase's first step (its program's load).
+    timed = [s.seconds for i, s in enumerate(result.steps) if i not in (0, per_epoch)]
+    assert result.mean_step_seconds == sum(timed) / len(timed)
+
+
 # --- bad input ------------------------------------------------------------------------
 
 

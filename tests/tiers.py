@@ -238,6 +238,19 @@ LONG: dict[str, str] = {
         "elementwise_ops_and_a_trained_weight_stays_a_read checks the batch-norm rewrite "
         "that fixed them"
     ),
+    "tests/test_finetune_quantized.py::test_a_resume_in_either_phase_ends_as_the_straight_run[8]": (  # noqa: E501
+        "a resume in the head's phase; [24] resumes the same run in the adapters' phase to "
+        "the bit, and test_finetune_tool resumes a one-phase run to the bit"
+    ),
+    "tests/test_finetune_quantized.py::test_a_resume_in_either_phase_ends_as_the_straight_run[20]": (  # noqa: E501
+        "a resume from the checkpoint written as the adapters' phase starts; [24] resumes "
+        "in that phase to the bit"
+    ),
+    "tests/test_finetune_quantized.py::test_head_epochs_0_trains_the_adapters_from_the_first_step": (  # noqa: E501
+        "a quantized adapter run without the warm start; test_the_warm_start_defaults_and_"
+        "refusals checks --head-epochs 0's options and test_finetune_tool runs one-phase "
+        "fits"
+    ),
     "tests/test_finetune_quantized.py::test_adapters_train_inside_the_quantized_backbone": (
         "the adapter scheme's quantized finetune run; test_quantized_run_writes_its_outputs "
         "runs the quantized command and test_quantized_ste's test_a_float_adapter_inside_"

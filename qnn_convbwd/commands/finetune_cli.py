@@ -7,7 +7,9 @@ module:function``; ``--weights`` loaded strictly), checks all of it before writi
 anything, lowers the joint training graph for the SoC with the optimizer (``--optimizer
 sgd|adamw``) inside it and trains it in ``train()`` through ExecuTorch's runtime, one
 program call per step, with torch eager and the same ``torch.optim`` optimizer on the
-same batches unless ``--no-torch`` (``finetune.fit``). With ``--out`` it saves a checkpoint every
+same batches unless ``--no-torch`` (``finetune.fit``); ``--head-epochs`` trains the head alone
+first, a warm start with its own program and optimizer (one epoch by default for adapters
+inside a quantized backbone). With ``--out`` it saves a checkpoint every
 ``--checkpoint-every`` steps, and after the last step the trained ``state_dict``,
 the training program starting from the trained weights, an inference program,
 ``report.json`` and the curves; ``--resume`` continues a killed run.
@@ -101,7 +103,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     length.add_argument("--steps", type=int, help="optimizer steps (default: one epoch)")
     length.add_argument("--epochs", type=int, help="epochs over the training data")
     run.add_argument("--eval-every", type=int, help="steps between evaluations (default: an epoch)")
-    run.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"default {DEFAULT_LR}")
+    run.add_argument(
+        "--lr",
+        type=float,
+        help=f"default {DEFAULT_LR}; {finetune.ADAPTER_LR} for --scheme adapter with --quantize "
+        "after the head's warm start (--head-epochs), the rate at which adapters refine the "
+        "features of a head that is mostly right",
+    )
+    run.add_argument(
+        "--head-epochs",
+        type=int,
+        help="epochs of the head alone first (a warm start), then --steps / --epochs of "
+        "--scheme with a fresh optimizer. Default 1 for --scheme adapter with --quantize "
+        "(adapters trained from the first step take the gradients of a confidently wrong "
+        "head and pull the backbone's features off), else 0",
+    )
+    run.add_argument(
+        "--head-lr",
+        type=float,
+        help=f"the warm start's learning rate (default {finetune.HEAD_LR}, no schedule; "
+        "--optimizer, --momentum and --weight-decay as for --scheme)",
+    )
     run.add_argument(
         "--lr-schedule",
         choices=finetune.LR_SCHEDULES,
@@ -237,6 +259,7 @@ def prepare(args: argparse.Namespace) -> Inputs:
         raise UsageError("--momentum is SGD's: --optimizer adamw takes none")
     if args.scheme is None:
         args.scheme = finetune.QUANTIZED_SCHEME if args.quantize else "full"
+    _warm_start_options(args)
     if args.quantize is not None:
         if args.scheme not in finetune.QUANTIZED_SCHEMES:
             raise UsageError(
@@ -258,6 +281,27 @@ def prepare(args: argparse.Namespace) -> Inputs:
     if len(train[1]) < args.batch:
         raise UsageError(f"{len(train[1])} training samples, fewer than one batch of {args.batch}")
     return Inputs(train, val, classes, normalize, model, notes, _fingerprint(*train, *val))
+
+
+def _warm_start_options(args: argparse.Namespace) -> None:
+    """``--head-epochs``, ``--head-lr`` and ``--lr`` with their defaults filled in, or
+    ``UsageError``."""
+    adapters_in_quantized = args.scheme == "adapter" and args.quantize is not None
+    if args.head_epochs is None:
+        args.head_epochs = 1 if adapters_in_quantized else 0
+    if args.head_epochs < 0:
+        raise UsageError(f"--head-epochs {args.head_epochs}: 0 or more")
+    if args.head_epochs and args.scheme == "head":
+        raise UsageError(
+            f"--head-epochs {args.head_epochs} with --scheme head: it trains the head alone already"
+        )
+    if args.head_lr is not None and not args.head_epochs:
+        raise UsageError("--head-lr is the warm start's rate: it needs --head-epochs 1 or more")
+    if args.head_lr is None and args.head_epochs:
+        args.head_lr = finetune.HEAD_LR
+    if args.lr is None:
+        warm = adapters_in_quantized and args.head_epochs
+        args.lr = finetune.ADAPTER_LR if warm else DEFAULT_LR
 
 
 def _check_out(args: argparse.Namespace) -> None:
@@ -313,6 +357,8 @@ STORED = (
     "epochs",
     "eval_every",
     "lr",
+    "head_epochs",
+    "head_lr",
     "lr_schedule",
     "optimizer",
     "momentum",
@@ -441,6 +487,47 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+def phase_report(result: finetune.FitResult) -> list[dict[str, Any]]:
+    """Each phase that ran (``FitResult.phases``) with the accuracies after its last
+    step."""
+    found = []
+    for phase in result.phases:
+        end = phase.first + phase.steps
+        after = next((e for e in result.evaluations if e.step == end), None)
+        found.append(
+            {
+                **dataclasses.asdict(phase),
+                "program_accuracy": after.program_accuracy if after else None,
+                "torch_accuracy": after.torch_accuracy if after else None,
+            }
+        )
+    return found
+
+
+def phase_lines(result: finetune.FitResult) -> list[str]:
+    """One line per phase: what trained, its steps, its optimizer and rates, the
+    accuracies after it."""
+    lines = []
+    for number, phase in enumerate(phase_report(result), 1):
+        trains = "the head alone" if phase["trains"] == "head" else f"scheme {phase['trains']}"
+        hyper = ", ".join(
+            f"{k} {v:g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in phase["optimizer"].items()
+            if k not in ("name", "dampening", "nesterov")
+        )
+        line = (
+            f"phase {number}, {trains}: steps {phase['first'] + 1}-"
+            f"{phase['first'] + phase['steps']}, {phase['optimizer']['name']} {hyper}"
+            f", schedule {phase['lr_schedule']}, {phase['trainable']} trained elements"
+        )
+        if phase["program_accuracy"] is not None:
+            line += f"; after it {100 * phase['program_accuracy']:.1f}% (program)"
+            if result.torch_reference:
+                line += f", {100 * phase['torch_accuracy']:.1f}% (torch)"
+        lines.append(line)
+    return lines
+
+
 def summary(result: finetune.FitResult, png: Path | None) -> list[str]:
     """The lines printed after training."""
     where = "CPU-only program (SM8350: no delegate)" if result.cpu_only else result.soc
@@ -456,7 +543,10 @@ def summary(result: finetune.FitResult, png: Path | None) -> list[str]:
     step_time = f"step time: {1000 * result.mean_step_seconds:.1f} ms (program)"
     if result.torch_reference:
         step_time += f", {1000 * result.mean_torch_step_seconds:.1f} ms (torch eager)"
-    lines.append(step_time + ", mean after the first")
+    lines.append(
+        step_time + ", mean after the first" + (" of each phase" if len(result.phases) > 1 else "")
+    )
+    lines += phase_lines(result)
     final = result.evaluations[-1]
     accuracy = (
         f"held-out accuracy after {final.step} steps: {100 * final.program_accuracy:.1f}% (program)"
@@ -520,6 +610,8 @@ def write_outputs(
         "soc": result.soc,
         "quantization": result.quantization,
         "optimizer": result.optimizer,
+        # The phases that ran: the head alone first with --head-epochs, then --scheme.
+        "phases": phase_report(result),
         # What training.ProgramOptimizer.from_dict reads to open train.pte in a session.
         "program_optimizer": result.program.optimizer.as_dict(),
         "delegates": {"train": result.delegates, "infer": inference.delegates},
@@ -624,6 +716,12 @@ def run(args: argparse.Namespace) -> int:
         )
         + f"batch {args.batch}, {args.optimizer} in the program, lr {args.lr:g} "
         f"({args.lr_schedule}), {hyper}"
+        + (
+            f"; first {args.head_epochs} epoch(s) of the head alone at lr {args.head_lr:g}, "
+            f"then {args.scheme} with a fresh optimizer"
+            if args.head_epochs
+            else ""
+        )
         + ("; no torch copy" if args.no_torch else "")
         + (
             ""
@@ -678,6 +776,8 @@ def run(args: argparse.Namespace) -> int:
             external_weights=args.external_weights,
             quantize=args.quantize,
             calibration_batches=args.calibration_batches,
+            head_epochs=args.head_epochs,
+            head_lr=args.head_lr if args.head_epochs else finetune.HEAD_LR,
         )
     except finetune.QuantizationMismatch as err:
         print(f"qnn-convbwd finetune: --resume {args.resume}: {err}", file=sys.stderr)

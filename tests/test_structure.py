@@ -329,10 +329,14 @@ LAYERS = (
 )
 
 
-# Upward imports with a reason. The simulator harness (compile specs, lowering and
-# running a program for the tests and commands) lowers through api, from inside a
-# function.
-UPWARD = {"qnn_convbwd.toolchain.harness -> qnn_convbwd.api"}
+# Upward imports with a reason, each from inside a function. The simulator harness
+# (compile specs, lowering and running a program for the tests and commands) lowers
+# through api; quantized.quantizer makes the plugin's QNN SDK usable (toolchain) before
+# executorch's QnnQuantizer looks for one of its own.
+UPWARD = {
+    "qnn_convbwd.toolchain.harness -> qnn_convbwd.api",
+    "qnn_convbwd.quantized -> qnn_convbwd.toolchain",
+}
 
 
 def _group(module: str) -> str:

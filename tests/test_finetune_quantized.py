@@ -234,18 +234,10 @@ def test_adapters_train_inside_the_quantized_backbone(adapted, folders):
     and train with the head; every quantized tensor is as quantized, the digest (which
     leaves out what trains) is the rebuilt backbone's, and the losses follow torch's
     with the straight-through estimator within the bound."""
-    from qnn_convbwd import finetune_data
-
     out, printed, _ = adapted
     report = json.loads((out / "report.json").read_text())
     assert report["args"]["scheme"] == "adapter"
-    seed = report["args"]["seed"]
-    net = finetune.apply_scheme(finetune.user_model(BLOCKED, 4, seed), "adapter")
-    data = finetune_data.load(folders[0], SIZE, classes=report["classes"])
-    normalize = finetune_data.Normalize(report["normalize"]["mean"], report["normalize"]["std"])
-    model, _ = finetune.quantize_for_fit(
-        net, (normalize(data.x), data.y), BATCH, "8a8w", CALIBRATION, seed
-    )
+    model = _adapted_model(folders, report)
     assert quantized.digest(model) == report["quantization"]["backbone_digest"]
     adapters = [n for n in finetune.trainable_names(model) if ".adapter." in n]
     assert len(adapters) == 2 * finetune.ADAPTED_BLOCKS, finetune.trainable_names(model)

@@ -238,6 +238,12 @@ LONG: dict[str, str] = {
         "elementwise_ops_and_a_trained_weight_stays_a_read checks the batch-norm rewrite "
         "that fixed them"
     ),
+    "tests/test_finetune_tool.py::test_a_warm_start_carries_the_weights_statistics_and_dropout_masks_on": (  # noqa: E501
+        "a float run with a warm start; test_finetune_quantized's test_the_warm_start_trains_"
+        "the_head_alone_then_the_adapters checks the phases, their fresh optimizers and the "
+        "evaluations, and this adds the running statistics and the dropout counter carried "
+        "across the phases"
+    ),
     "tests/test_finetune_quantized.py::test_a_resume_in_either_phase_ends_as_the_straight_run[8]": (  # noqa: E501
         "a resume in the head's phase; [24] resumes the same run in the adapters' phase to "
         "the bit, and test_finetune_tool resumes a one-phase run to the bit"

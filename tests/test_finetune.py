@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_finetune_tool import small_model
 from torch import nn
 
 from qnn_convbwd import cli, finetune, training
@@ -15,20 +16,10 @@ from qnn_convbwd.torchvision_import import TorchvisionUnavailable
 
 
 def small_net(seed: int = 0) -> nn.Module:
-    """Two strided ConvBn blocks, average pool and a linear head: batch norm in train mode,
-    no dropout (so both sides compute the same step)."""
+    """test_finetune_tool's small model without dropout (so both sides compute the same
+    step), from ``seed``: batch norm in train mode."""
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Conv2d(3, 8, 3, stride=2, padding=1),
-        nn.BatchNorm2d(8),
-        nn.ReLU(),
-        nn.Conv2d(8, 16, 3, stride=2, padding=1),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(16, 10),
-    )
+    return small_model(10, dropout=None)
 
 
 def dropout_net(seed: int = 0) -> nn.Module:

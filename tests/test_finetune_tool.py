@@ -33,8 +33,9 @@ MODEL = "test_finetune_tool:small_model"
 SIZE, BATCH, STEPS = 8, 4, 60
 
 
-def small_model(num_classes: int = 10) -> nn.Module:
-    """Two strided ConvBn blocks, average pool, dropout and a linear head."""
+def small_model(num_classes: int = 10, dropout: float | None = 0.25) -> nn.Module:
+    """Two strided ConvBn blocks, average pool, dropout (none when ``dropout`` is None)
+    and a linear head."""
     return nn.Sequential(
         nn.Conv2d(3, 8, 3, stride=2, padding=1),
         nn.BatchNorm2d(8),
@@ -44,7 +45,7 @@ def small_model(num_classes: int = 10) -> nn.Module:
         nn.ReLU(),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
-        nn.Dropout(0.25),
+        *([] if dropout is None else [nn.Dropout(dropout)]),
         nn.Linear(16, num_classes),
     )
 
